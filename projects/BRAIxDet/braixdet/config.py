@@ -1,0 +1,115 @@
+"""BRAIxDet config keys, added to a detectron2 config by `add_braixdet_config(cfg)`.
+
+Paper defaults (BRAIxDet, §4.3) are the defaults here; demo/test configs shrink sizes.
+"""
+from detectron2.config import CfgNode as CN
+
+
+def add_braixdet_config(cfg):
+    """Add every key BRAIxDet reads. Call once on a fresh `get_cfg()` before merging files."""
+    _add_model_config(cfg)
+    _add_input_config(cfg)
+    _add_dataset_config(cfg)
+    _add_solver_config(cfg)
+    _add_ssl_config(cfg)
+    _add_test_config(cfg)
+    return cfg
+
+
+def _add_model_config(cfg):
+    cfg.MODEL.PIXEL_MEAN = [0.5]  # grey images in [0, 1] (canonical cache)
+    cfg.MODEL.PIXEL_STD = [0.25]
+    b = cfg.MODEL.BRAIXDET = CN()
+    b.TIMM_MODEL = "efficientnet_b0"  # any timm model with features_only
+    # "" = random init; "imagenet" = timm pretrained weights (needs internet); or a local file
+    b.PRETRAINED = ""
+    b.IN_CHANS = 1  # grey input; timm adapts the stem (sums RGB kernels) when pretrained
+    # timm feature stages exposed as res2..res5 (strides 4, 8, 16, 32)
+    b.OUT_FEATURES = ["res3", "res4", "res5"]
+    b.MULTI_VIEW = True  # False: single-view model (the Faster R-CNN baseline)
+    # Local co-occurrence module (cross-view attention on the stride-32 features)
+    b.LCM = CN()
+    b.LCM.ENABLED = True
+    b.LCM.EMBED_DIM = 128  # d: attention width
+    b.LCM.NUM_HEADS = 4
+    b.LCM.OUT_DIM = 128  # D': channels of f_l(u_m, u_a) before concatenation with u_m
+    b.LCM.DROPOUT = 0.0
+    # Global consistency module (classifier only)
+    b.GCM = CN()
+    b.GCM.ENABLED = True
+    b.GCM.LOSS_WEIGHT = 1.0
+    # Classifier head (MVCCL)
+    b.CLS_HIDDEN_DIM = 256
+    b.CLS_DROPOUT = 0.0
+    # Stage-1 checkpoint whose backbone + LCM initialise the detector ("" = none)
+    b.INIT_FROM_CLASSIFIER = ""
+    # FPN on top of the timm features for the detector
+    cfg.MODEL.FPN.IN_FEATURES = ["res3", "res4", "res5"]
+    cfg.MODEL.FPN.OUT_CHANNELS = 128
+
+
+def _add_input_config(cfg):
+    i = cfg.INPUT.BRAIXDET = CN()
+    i.CANONICAL_SIZE = (1536, 768)  # (H, W) after crop, pad to H/W=2 and resize (paper §4.3)
+    i.MASK_MARGIN = 0.02  # crop margin around the breast mask, fraction of the mask's box
+    i.MASK_DOWNSAMPLE = 8  # mask is found on a downsampled, blurred image (speed, robustness)
+    i.CACHE_DIR = ""  # "" = <OUTPUT_DIR>/../cache; never inside the dataset root
+    i.CACHE_DTYPE = "uint16"  # 16-bit PNG cache
+    i.ALLOW_FOR_PROCESSING = False  # refuse PresentationIntentType "FOR PROCESSING"
+    # Augmentation (paper: no cutout / colour jitter). Probabilities and ranges.
+    i.AUG = CN()
+    i.AUG.ENABLED = True
+    i.AUG.VFLIP_PROB = 0.5  # vertical flip keeps the nipple on the right
+    i.AUG.BRIGHTNESS = 0.1  # mild intensity scaling range (±)
+    i.AUG.CONTRAST = 0.1
+
+
+def _add_dataset_config(cfg):
+    d = cfg.DATASETS.BRAIXDET = CN()
+    d.FORMAT = "cbis_ddsm"  # cbis_ddsm | vindr_mammo | exam_csv
+    d.ROOT = ""  # dataset root; read only
+    d.CSV = ""  # exam_csv: the CSV file (relative to ROOT or absolute)
+    d.NAME = ""  # registered name prefix; "" = FORMAT
+    d.PROTOCOL = "partial"  # partial | full
+    d.RATIO = "1/8"  # partially labelled ratio of annotated images kept as boxes
+    d.SEED = 0  # split seed: same seed -> same split everywhere
+    d.VAL_FRACTION = 0.1  # patient-wise train/val split
+    d.SPLIT_DIR = ""  # where split JSONs are written; "" = <OUTPUT_DIR>/../splits
+    d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error
+    d.VINDR_MALIGNANT_BIRADS = [4, 5]
+    cfg.DATASETS.TRAIN_WEAK = ()  # weak stream (stage 2); filled from the protocol when empty
+    cfg.DATALOADER.BRAIXDET = CN()
+    cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH = 4  # global batch of the weak stream
+
+
+def _add_solver_config(cfg):
+    s = cfg.SOLVER.BRAIXDET = CN()
+    s.OPTIMIZER = "ADAM"  # ADAM | SGD
+    s.PLATEAU_FACTOR = 0.1  # ReduceLROnPlateau on validation loss
+    s.PLATEAU_PATIENCE = 2  # evaluations without improvement
+    s.PLATEAU_METRIC = "bce"
+    s.CHECK_FINITE = True  # stop with an error naming the iteration and loss term on NaN/inf
+
+
+def _add_ssl_config(cfg):
+    s = cfg.SSL = CN()
+    s.ENABLED = False
+    s.LAMBDA_WEAK = 0.25  # λ in ℓ_stu = ℓ_sup + λ ℓ_wek (paper eq. 5)
+    s.EMA_ALPHA = 0.999
+    s.BN_MODE = "frozen"  # frozen | open | ema
+    s.USE_CAM = True  # Algorithm 2: fuse GradCAM boxes with the teacher's early on
+    s.CAM_JSON = ""  # output of tools/gradcam_pseudo_labels.py
+    s.CAM_FUSION_EPOCHS = 2.0  # epochs of D_w with fusion (paper: 2)
+    s.CAM_FUSION_ITERS = -1  # >= 0 overrides CAM_FUSION_EPOCHS, in iterations
+    s.PSEUDO_NMS_THRESH = 0.2  # τ_nms when fusing teacher and CAM boxes
+    s.NEGATIVE_AS_BACKGROUND = True  # weak label-0 images train as all-background
+    s.TEACHER_SCORE_THRESH = 0.0  # minimal score of the teacher's top-1 box
+
+
+def _add_test_config(cfg):
+    t = cfg.TEST.BRAIXDET = CN()
+    t.IOU_THRESH = 0.2
+    t.FROC_FPPI = [0.25, 0.5, 1.0, 2.0, 4.0]
+    t.CENTER_HIT = False  # FROC option: detection centre inside the GT box counts as a hit
+    t.SAVE_PLOTS = True
+    t.EVAL_STUDENT = True  # also evaluate the student (metrics prefixed with student/)
