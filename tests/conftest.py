@@ -1,0 +1,29 @@
+"""Shared pytest fixtures: one tiny synthetic CBIS-DDSM-style dataset per test session."""
+import types
+
+import pytest
+
+try:  # the machine is shared: keep torch's intra-op pool small
+    import torch
+
+    torch.set_num_threads(2)
+except ImportError:  # pragma: no cover
+    pass
+
+from braixdet.data.synthetic import make_synthetic_dataset
+
+SYNTH_KW = dict(patients=10, image_size=(128, 96), lesion_rate=0.7, seed=0)
+
+
+@pytest.fixture(scope="session")
+def synthetic_root(tmp_path_factory):
+    """Tiny dataset generated once: ``.root`` (dataset root path), ``.summary`` (returned dict).
+
+    Guaranteed: train split has >= 4 malignant images, test split >= 2.
+    """
+    root = tmp_path_factory.mktemp("synthetic") / "cbis"
+    summary = make_synthetic_dataset(str(root), progress=False, **SYNTH_KW)
+    splits = summary["splits"]
+    assert splits["train"]["malignant_images"] >= 4, splits
+    assert splits["test"]["malignant_images"] >= 2, splits
+    return types.SimpleNamespace(root=str(root), summary=summary)

@@ -1,0 +1,267 @@
+"""Synthetic CBIS-DDSM-style generator: layout, DICOM validity, ROI/truth agreement, determinism."""
+import csv
+import glob
+import hashlib
+import json
+import os
+
+import cv2
+import numpy as np
+import pydicom
+import pytest
+from pydicom.uid import JPEG2000Lossless
+
+from braixdet.data.synthetic import CALC_HEADER, EXAM_HEADER, MASS_HEADER, make_synthetic_dataset
+
+CSV_NAMES = [
+    f"{k}_case_description_{s}_set.csv" for k in ("mass", "calc") for s in ("train", "test")
+]
+PREFIXES = ("Mass-Training", "Calc-Training", "Mass-Test", "Calc-Test")
+REQUIRED_TAGS = [
+    "Modality", "ViewPosition", "ImageLaterality", "PatientID", "PatientName", "PatientBirthDate",
+    "StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID", "SOPClassUID",
+    "PresentationIntentType", "WindowCenter", "WindowWidth", "BitsAllocated", "BitsStored",
+    "PhotometricInterpretation", "Rows", "Columns",
+]
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def _cbis_rows(root):
+    out = []
+    for name in CSV_NAMES:
+        rows = _read_csv(os.path.join(root, name))
+        out += [dict(zip(rows[0], r)) for r in rows[1:]]
+    return out
+
+
+def _tree_file(root, csv_path, name):
+    """CSV cell (.../000000.dcm, maybe with trailing whitespace) -> file in the download tree."""
+    folder = os.path.dirname(csv_path.strip())
+    return os.path.join(root, "CBIS-DDSM", folder, name)
+
+
+def _mask_and_crop(root, csv_row):
+    """Finds the mask among 1-1/1-2 the robust way: full-image size and only 0/255 values."""
+    files = [_tree_file(root, csv_row["ROI mask file path"], n) for n in ("1-1.dcm", "1-2.dcm")]
+    arrs = [pydicom.dcmread(f).pixel_array for f in files]
+    is_mask = [set(np.unique(a).tolist()) <= {0, 255} and a.dtype == np.uint8 for a in arrs]
+    assert sum(is_mask) == 1, files
+    k = is_mask.index(True)
+    return files[k], arrs[k], arrs[1 - k]
+
+
+def _component_bbox(mask):
+    n, _, stats, _ = cv2.connectedComponentsWithStats((mask > 0).astype(np.uint8), connectivity=8)
+    assert n == 2, f"expected one connected component, got {n - 1}"
+    x, y, w, h = stats[1, :4]
+    return [int(x), int(y), int(x + w), int(y + h)]
+
+
+def test_layout_and_headers(synthetic_root):
+    root = synthetic_root.root
+    assert sorted(os.listdir(root)) == sorted(CSV_NAMES + ["exams.csv", "CBIS-DDSM"])
+    for name in CSV_NAMES:
+        header = _read_csv(os.path.join(root, name))[0]
+        assert header == (MASS_HEADER if name.startswith("mass") else CALC_HEADER)
+    assert ",".join(MASS_HEADER).startswith("patient_id,breast_density,left or right breast")
+    assert "breast density" in CALC_HEADER and "calc type" in CALC_HEADER
+    rows = _cbis_rows(root)
+    assert len(rows) == synthetic_root.summary["abnormalities"]
+    quirky = 0
+    for r in rows:
+        assert r["left or right breast"] in ("LEFT", "RIGHT") and r["image view"] in ("CC", "MLO")
+        assert r["pathology"] in ("MALIGNANT", "BENIGN", "BENIGN_WITHOUT_CALLBACK")
+        assert r["patient_id"].startswith("P_") and len(r["patient_id"]) == 7
+        img = r["image file path"]
+        quirky += img != img.strip() or r["ROI mask file path"] != r["ROI mask file path"].strip()
+        quirky += r["cropped image file path"] != r["cropped image file path"].strip()
+        assert img.strip().endswith("/000000.dcm")
+        assert r["ROI mask file path"].strip().endswith("/000001.dcm")
+        folder = img.split("/")[0]
+        assert folder.split("_P_")[0] in PREFIXES
+        assert r["cropped image file path"].split("/")[0] == f"{folder}_{r['abnormality id']}"
+        # CSV names 000000.dcm, the tree has 1-1.dcm (upstream quirk)
+        assert not os.path.exists(os.path.join(root, "CBIS-DDSM", img.strip()))
+        assert os.path.isfile(_tree_file(root, img, "1-1.dcm"))
+    assert quirky >= 1
+
+
+def test_every_dicom_reads_with_tags(synthetic_root):
+    files = glob.glob(os.path.join(synthetic_root.root, "CBIS-DDSM", "**", "*.dcm"),
+                      recursive=True)
+    s = synthetic_root.summary
+    assert len(files) == s["images"] + 2 * s["abnormalities"]
+    for f in files:
+        ds = pydicom.dcmread(f)
+        for tag in REQUIRED_TAGS:
+            assert tag in ds, (f, tag)
+        assert ds.Modality == "MG" and ds.PresentationIntentType == "FOR PRESENTATION"
+        assert ds.file_meta.TransferSyntaxUID in (pydicom.uid.ExplicitVRLittleEndian,
+                                                  JPEG2000Lossless)
+        # a hospital-style MRN that never appears in paths (so leaks are detectable)
+        assert ds.PatientID.startswith("MRN") and ds.PatientID not in f
+        a = ds.pixel_array
+        assert a.shape == (ds.Rows, ds.Columns) and int(a.max()) < (1 << ds.BitsStored)
+
+
+def test_jpeg2000_and_monochrome1(synthetic_root):
+    root, truth = synthetic_root.root, synthetic_root.summary["truth"]
+    j2k = [t for t in truth if t["transfer_syntax"] == str(JPEG2000Lossless)]
+    mono1 = [t for t in truth if t["photometric"] == "MONOCHROME1"]
+    assert j2k and mono1
+    for t in j2k:
+        ds = pydicom.dcmread(os.path.join(root, t["path"]))
+        assert ds.file_meta.TransferSyntaxUID == JPEG2000Lossless
+        a = ds.pixel_array
+        assert a.shape == (t["rows"], t["cols"]) and a.dtype == np.uint16 and a.max() > 0
+    for t in mono1:
+        ds = pydicom.dcmread(os.path.join(root, t["path"]))
+        assert ds.PhotometricInterpretation == "MONOCHROME1"
+        a = ds.pixel_array.astype(np.int64)
+        maxval = (1 << ds.BitsStored) - 1
+        # background is dark after inversion: stored values near maxval dominate
+        assert np.median(maxval - a[:, :8] if t["laterality"] == "R" else maxval - a[:, -8:]) \
+            < 0.15 * maxval
+
+
+def test_jpeg2000_is_lossless(tmp_path):
+    from braixdet.data.synthetic import _write_dicom
+
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 4096, size=(48, 40), dtype=np.uint16)
+    info = dict(study_uid="1.2.3", series_uid="1.2.3.4", PatientName="X^Y", PatientID="P",
+                PatientBirthDate="19500101", StudyDate="20000101", laterality="L", view="CC")
+    _write_dicom(str(tmp_path / "a.dcm"), arr, info=info, sop_uid="1.2.3.4.5",
+                 bits_stored=12, jpeg2000=True)
+    ds = pydicom.dcmread(str(tmp_path / "a.dcm"))
+    assert ds.file_meta.TransferSyntaxUID == JPEG2000Lossless
+    np.testing.assert_array_equal(ds.pixel_array, arr)
+
+
+def test_roi_masks_match_truth(synthetic_root):
+    root, s = synthetic_root.root, synthetic_root.summary
+    by_folder = {t["cbis_folder"]: t for t in s["truth"]}
+    rows = _cbis_rows(root)
+    swapped = 0
+    for r in rows:
+        t = by_folder[r["image file path"].split("/")[0]]
+        lesion = {les["abnormality_id"]: les for les in t["lesions"]}[int(r["abnormality id"])]
+        assert lesion["pathology"] == r["pathology"]
+        path, mask, crop = _mask_and_crop(root, r)
+        assert mask.shape == (t["rows"], t["cols"])
+        assert crop.shape[0] < t["rows"] and crop.shape[1] <= t["cols"]
+        assert _component_bbox(mask) == lesion["bbox"]
+        assert path == os.path.join(root, lesion["mask_path"])
+        swapped += path.endswith("1-1.dcm")
+        x0, y0, x1, y1 = lesion["bbox"]
+        w = x1 - x0
+        assert 0.04 * t["cols"] <= w <= 0.25 * t["cols"], (w, t["cols"])
+    assert swapped == s["swapped_masks"] >= 1
+
+
+def test_lesion_visible_and_side_convention(synthetic_root):
+    root = synthetic_root.root
+    for t in synthetic_root.summary["truth"][:12]:
+        ds = pydicom.dcmread(os.path.join(root, t["path"]))
+        a = ds.pixel_array.astype(np.float32) / ((1 << ds.BitsStored) - 1)
+        if ds.PhotometricInterpretation == "MONOCHROME1":
+            a = 1.0 - a
+        third = t["cols"] // 3
+        chest, nipple_side = (a[:, :third], a[:, -third:]) if t["laterality"] == "L" else \
+            (a[:, -third:], a[:, :third])
+        assert chest.mean() > nipple_side.mean() + 0.05  # chest wall on the laterality's side
+        for les in t["lesions"]:
+            x0, y0, x1, y1 = les["bbox"]
+            assert a[y0:y1, x0:x1].max() > np.median(a[a > 0.15])
+
+
+def test_cc_mlo_consistency(synthetic_root):
+    truth = synthetic_root.summary["truth"]
+    breasts = {}
+    for t in truth:
+        breasts.setdefault((t["patient"], t["laterality"]), {})[t["view"]] = t
+    assert all(set(v) == {"CC", "MLO"} for v in breasts.values())
+    n_checked = 0
+    for views in breasts.values():
+        cc, mlo = views["CC"], views["MLO"]
+        assert cc["nipple_x"] == mlo["nipple_x"] and cc["cancer_label"] == mlo["cancer_label"]
+        assert [les["lesion_id"] for les in cc["lesions"]] == \
+            [les["lesion_id"] for les in mlo["lesions"]]
+        for a, b in zip(cc["lesions"], mlo["lesions"]):
+            assert a["pathology"] == b["pathology"] and a["type"] == b["type"]
+            assert abs(a["depth"] - b["depth"]) <= 0.02 * cc["cols"] + 1
+            # depth from the bbox centres too (mask-derived, not just the recorded number)
+            ca = abs((a["bbox"][0] + a["bbox"][2]) / 2 - cc["nipple_x"])
+            cb = abs((b["bbox"][0] + b["bbox"][2]) / 2 - mlo["nipple_x"])
+            assert abs(ca - cb) <= 0.12 * cc["cols"]
+            n_checked += 1
+    assert n_checked >= 4
+    assert any(not v["CC"]["lesions"] for v in breasts.values())  # lesion-free breasts exist
+
+
+def test_exams_csv(synthetic_root):
+    root, s = synthetic_root.root, synthetic_root.summary
+    rows = _read_csv(os.path.join(root, "exams.csv"))
+    assert rows[0] == EXAM_HEADER
+    recs = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert len(recs) == s["images"] == 4 * s["patients"]
+    cbis_ids = {t["patient"] for t in s["truth"]}
+    by_path = {t["path"]: t for t in s["truth"]}
+    for r in recs:
+        assert os.path.isfile(os.path.join(root, r["image_path"]))
+        assert r["patient_id"].startswith("anon_") and r["patient_id"] not in cbis_ids
+        t = by_path[r["image_path"]]
+        boxes = json.loads(r["boxes"])
+        assert r["laterality"] == t["laterality"] and r["view"] == t["view"]
+        assert int(r["cancer_label"]) == t["cancer_label"] and r["split"] == t["split"]
+        if r["annotation"] == "weak":
+            assert boxes == [] and r["cancer_label"] == "1"
+        else:
+            assert boxes == [les["bbox"] for les in t["lesions"] if les["malignant"]]
+        assert r["cancer_label"] == "0" or r["annotation"] == "weak" or boxes
+    assert {r["annotation"] for r in recs if r["cancer_label"] == "1"} <= {"full", "weak"}
+    assert all(r["annotation"] == "full" for r in recs if r["cancer_label"] == "0")
+    n_train = sum(r["split"] == "train" for r in recs)
+    assert n_train == s["splits"]["train"]["images"]
+    # lesion-free images are in the tree and exams.csv, never in the CBIS CSVs
+    cbis_folders = {r["image file path"].split("/")[0] for r in _cbis_rows(root)}
+    normal = [t for t in s["truth"] if not t["lesions"]]
+    assert normal and all(t["cbis_folder"] not in cbis_folders for t in normal)
+
+
+def test_no_identifier_in_csvs(synthetic_root):
+    root, truth = synthetic_root.root, synthetic_root.summary["truth"]
+    text = "".join(open(os.path.join(root, n)).read() for n in CSV_NAMES + ["exams.csv"])
+    for t in truth:
+        assert t["PatientName"] not in text and t["PatientBirthDate"] not in text
+
+
+def _digest(root):
+    h = hashlib.sha256()
+    for name in sorted(CSV_NAMES + ["exams.csv"]):
+        h.update(open(os.path.join(root, name), "rb").read())
+    for f in sorted(glob.glob(os.path.join(root, "CBIS-DDSM", "**", "*.dcm"), recursive=True)):
+        h.update(os.path.relpath(f, root).encode())
+        h.update(pydicom.dcmread(f).pixel_array.tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("seeds,same", [((3, 3), True), ((3, 4), False)])
+def test_determinism(tmp_path, seeds, same):
+    kw = dict(patients=3, image_size=(96, 64), progress=False)
+    a = make_synthetic_dataset(str(tmp_path / "a"), seed=seeds[0], **kw)
+    b = make_synthetic_dataset(str(tmp_path / "b"), seed=seeds[1], **kw)
+    assert (_digest(a["root"]) == _digest(b["root"])) is same
+    strip = lambda s: {k: v for k, v in s.items() if k != "root"}
+    assert (strip(a) == strip(b)) is same
+
+
+def test_truth_path_outside_dataset(tmp_path):
+    s = make_synthetic_dataset(str(tmp_path / "d"), patients=2, image_size=(96, 64),
+                               progress=False, truth_path=str(tmp_path / "truth.json"))
+    assert json.load(open(tmp_path / "truth.json"))["images"] == s["images"] == 8
+    assert "truth.json" not in os.listdir(tmp_path / "d")
