@@ -1,0 +1,111 @@
+"""In-house exam CSV loader (ADMANI-like; columns documented in datasets/README.md).
+
+``patient_id,exam_id,image_path,laterality,view,cancer_label,annotation,boxes,split``: one row per
+image; image_path relative to the CSV's folder (or absolute, inside the root); boxes a JSON list of
+[x0, y0, x1, y1] in original pixels (malignant lesions; "[]" for weak or lesion-free images).
+patient_id and exam_id are pseudonymised (they may be hospital identifiers).
+"""
+import json
+import logging
+import os
+
+from ..dicom import pseudonymise
+from ..report import BadInputError
+from .common import (
+    checked_annotations,
+    finish,
+    normalize_laterality,
+    normalize_view,
+    read_csv_rows,
+    read_meta,
+    resolve_in_root,
+)
+
+logger = logging.getLogger(__name__)
+
+REQUIRED = ["patient_id", "exam_id", "image_path", "laterality", "view", "cancer_label",
+            "annotation"]
+_SPLITS = {"train": "train", "training": "train", "test": "test"}
+
+
+def _parse_row(row):
+    """Validated fields of one row, or a string saying what is wrong."""
+    lat, view = normalize_laterality(row["laterality"]), normalize_view(row["view"])
+    if lat is None or view is None:
+        return "laterality must be L|R and view CC|MLO"
+    if row["cancer_label"] not in ("0", "1"):
+        return "cancer_label must be 0|1"
+    ann = row["annotation"].lower()
+    if ann not in ("full", "weak"):
+        return "annotation must be full|weak"
+    split = _SPLITS.get((row.get("split") or "train").lower())
+    if split is None:
+        return "split must be train|test"
+    try:
+        boxes = json.loads(row.get("boxes") or "[]")
+        if not isinstance(boxes, list) or not all(
+            isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) for v in b)
+            for b in boxes
+        ):
+            raise ValueError
+    except ValueError:
+        return "boxes must be a JSON list of [x0, y0, x1, y1]"
+    label = int(row["cancer_label"])
+    if label == 0 and boxes:
+        return "cancer_label 0 with malignant boxes"
+    return lat, view, label, ann, split, boxes
+
+
+def load_exam_csv(csv_path, root, report, allow_for_processing=False):
+    """Images listed in an exam CSV as BRAIxDet dataset dicts (DESIGN §2), views paired."""
+    root = os.path.abspath(root)
+    if not os.path.isabs(csv_path) and not os.path.isfile(csv_path):
+        csv_path = os.path.join(root, csv_path)
+    csv_path = os.path.abspath(csv_path)
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"exam CSV {csv_path} not found")
+    base = os.path.dirname(csv_path)
+    dicts, seen = [], set()
+    for line, row in read_csv_rows(csv_path, report, REQUIRED):
+        parsed = _parse_row(row)
+        if isinstance(parsed, str):
+            report.add(BadInputError(csv_path, "bad_row", f"line {line}: {parsed}"))
+            continue
+        lat, view, label, ann, split, boxes = parsed
+        try:
+            path = resolve_in_root(root, row["image_path"], base)
+        except BadInputError as e:
+            report.add(BadInputError(e.path, e.reason, f"line {line}"))
+            continue
+        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+        if rel in seen:
+            report.add(BadInputError(csv_path, "bad_row", f"line {line}: duplicate image_path"))
+            continue
+        seen.add(rel)
+        meta = read_meta(path, report, allow_for_processing)
+        if meta is None:
+            continue
+        if meta.laterality and meta.laterality != lat:
+            report.count("laterality_disagreement")  # the CSV wins; counted for the user
+        h, w = int(meta.rows), int(meta.cols)
+        pid = pseudonymise(row["patient_id"])
+        d = {
+            "file_name": path,
+            "image_id": "img_" + pseudonymise(rel.replace(os.sep, "/")),
+            "exam_id": pseudonymise(row["patient_id"] + "/" + row["exam_id"]),
+            "patient_id": pid,
+            "laterality": lat,
+            "view": view,
+            "height": h,
+            "width": w,
+            "label": label,
+            "split": split,
+            "annotation_type": ann,
+        }
+        if ann == "full" and label == 1 and not boxes:
+            report.count("full_without_boxes")  # a cancer without its box cannot train boxes
+            d["annotation_type"] = "weak"
+        elif ann == "full":
+            d["annotations"] = checked_annotations(boxes, h, w, path, report)
+        dicts.append(d)
+    return finish(dicts, report, "exam CSV")

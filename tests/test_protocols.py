@@ -1,0 +1,168 @@
+"""Protocols (patient-wise splits, D_s/D_w) and catalog registration."""
+import hashlib
+import json
+import os
+
+import pytest
+from detectron2.config import get_cfg
+from detectron2.data import DatasetCatalog, MetadataCatalog
+
+from braixdet.config import add_braixdet_config
+from braixdet.data.protocols import compute_split, parse_ratio, ratio_tag, split_dataset
+from braixdet.data.register import register_braixdet_datasets, register_from_cfg
+
+
+def _fake_dicts(n_patients=160, seed_shift=0):
+    """4 images per patient; ~half the patients have a malignant fully annotated breast."""
+    dicts = []
+    for p in range(n_patients):
+        for lat in "LR":
+            for view in ("CC", "MLO"):
+                label = int(lat == "L" and p % 2 == 0)
+                full = p % 5 != 0  # some weak patients
+                d = {"image_id": f"p{p:03d}_{lat}_{view}", "patient_id": f"pat{p:03d}",
+                     "exam_id": f"e{p}", "laterality": lat, "view": view, "label": label,
+                     "split": "test" if p % 10 == 3 else "train",
+                     "annotation_type": "full" if full else "weak"}
+                if full:
+                    d["annotations"] = [{"bbox": [1, 1, 5, 5], "bbox_mode": 0,
+                                         "category_id": 0}] * label
+                dicts.append(d)
+    return dicts
+
+
+def _patients(ds):
+    return {d["patient_id"] for d in ds}
+
+
+@pytest.mark.parametrize("ratio", ["1/16", "1/8", 0.25, "1/2", "3/4"])
+def test_partial_ratios_and_disjointness(ratio):
+    dicts = _fake_dicts()
+    out = split_dataset(dicts, "partial", ratio, seed=0, val_fraction=0.1)
+    train, val, test = (_patients(out[k]) for k in ("train_all", "val", "test"))
+    assert not (train & val) and not (train & test) and not (val & test)
+    assert test == _patients(d for d in dicts if d["split"] == "test")
+    assert len(val) == round(0.1 * len(_patients(d for d in dicts if d["split"] == "train")))
+    # the ratio is over patients with a full malignant image
+    annotated = {d["patient_id"] for d in out["train_all"] if d["label"] == 1
+                 and next(x for x in dicts if x["image_id"] == d["image_id"])[
+                     "annotation_type"] == "full"}
+    kept = {d["patient_id"] for d in out["train_full"] if d["label"] == 1}
+    assert len(kept) == max(1, round(float(parse_ratio(ratio)) * len(annotated)))
+    weak_malignant = {d["patient_id"] for d in out["train_weak"] if d["label"] == 1}
+    assert not (kept & weak_malignant)  # D_s / D_w patient-wise disjoint for annotated cancers
+    ids = lambda k: {d["image_id"] for d in out[k]}  # noqa: E731
+    assert ids("train_full") | ids("train_weak") == ids("train_all")
+    assert not ids("train_full") & ids("train_weak")
+    assert all("annotations" not in d and d["annotation_type"] == "weak"
+               for d in out["train_weak"])
+    assert all("annotations" in d for d in out["train_full"])
+    # lesion-free full images stay full
+    assert all(d["label"] == 1 or d["annotation_type"] == "weak" for d in out["train_weak"])
+    assert {d["label"] for d in out["train_weak"]} <= {0, 1}
+    # inputs untouched
+    assert all("annotations" in d for d in dicts if d["annotation_type"] == "full")
+
+
+def test_full_protocol():
+    dicts = _fake_dicts()
+    out = split_dataset(dicts, "full", seed=0)
+    src = {d["image_id"]: d for d in dicts}
+    assert all(src[d["image_id"]]["annotation_type"] == "full" for d in out["train_full"])
+    assert all(src[d["image_id"]]["annotation_type"] == "weak" for d in out["train_weak"])
+    assert ratio_tag("full", "1/8") == "full" and ratio_tag("partial", 0.0625) == "r1_16"
+    with pytest.raises(ValueError):
+        parse_ratio("3/2")
+
+
+def test_split_json_seed_and_reuse(tmp_path):
+    dicts = _fake_dicts()
+    f0, f0b, f1 = (str(tmp_path / n) for n in ("s0.json", "s0b.json", "s1.json"))
+    split_dataset(dicts, "partial", "1/8", seed=0, split_file=f0)
+    split_dataset(list(reversed(dicts)), "partial", 0.125, seed=0, split_file=f0b)
+    split_dataset(dicts, "partial", "1/8", seed=1, split_file=f1)
+    read = lambda p: open(p).read()  # noqa: E731
+    assert read(f0) == read(f0b)  # input order and ratio spelling do not matter
+    a, b = json.loads(read(f0)), json.loads(read(f1))
+    assert a["val"] != b["val"] and a["train_full"] != b["train_full"]
+    assert a["params"]["seed"] == 0 and a["params"]["ratio"] == "1/8"
+    # reuse: an existing file with the same parameters is read, not recomputed
+    moved = a["train_full"].pop()
+    a["train_weak"].append(moved)
+    with open(f0, "w") as f:
+        json.dump(a, f)
+    out = split_dataset(dicts, "partial", "1/8", seed=0, split_file=f0)
+    assert moved in {d["image_id"] for d in out["train_weak"]}
+    # other parameters -> recomputed and overwritten
+    split_dataset(dicts, "partial", "1/4", seed=0, split_file=f0)
+    assert json.loads(read(f0))["params"]["ratio"] == "1/4"
+    assert compute_split(dicts, seed=3) == compute_split(dicts, seed=3)
+
+
+def _tree_digest(root):
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames.sort()
+        for name in sorted(files):
+            p = os.path.join(dirpath, name)
+            st = os.stat(p)
+            h.update(f"{os.path.relpath(p, root)}|{st.st_size}|{st.st_mtime_ns}".encode())
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest(), sorted(os.listdir(root))
+
+
+def test_register_and_dataset_folder_untouched(synthetic_root, tmp_path):
+    from braixdet.data.mapper import MultiViewDatasetMapper
+
+    before = _tree_digest(synthetic_root.root)
+    split_dir = str(tmp_path / "splits")
+    kw = dict(name="synthreg", protocol="partial", ratio="1/2", seed=0, split_dir=split_dir)
+    names = register_braixdet_datasets("cbis_ddsm", synthetic_root.root, **kw)
+    assert names == {"train_full": "synthreg_train_full_r1_2_s0",
+                     "train_weak": "synthreg_train_weak_r1_2_s0",
+                     "train_all": "synthreg_train_all_s0", "val": "synthreg_val_s0",
+                     "test": "synthreg_test"}
+    assert register_braixdet_datasets("cbis_ddsm", synthetic_root.root, **kw) == names
+    sets = {k: DatasetCatalog.get(v) for k, v in names.items()}
+    truth = synthetic_root.summary["truth"]
+    assert len(sets["test"]) == sum(bool(t["lesions"]) for t in truth if t["split"] == "test")
+    assert len(sets["train_all"]) + len(sets["val"]) + len(sets["test"]) == sum(
+        bool(t["lesions"]) for t in truth)
+    meta = MetadataCatalog.get(names["train_full"])
+    assert meta.thing_classes == ["malignant"] and meta.evaluator_type == "mammo"
+    assert os.path.isfile(meta.report_path) and os.path.isfile(meta.split_file)
+    assert os.path.dirname(meta.report_path) == split_dir
+    report = json.load(open(meta.report_path))
+    assert report["num_bad"] == 0 and report["name"] == "synthreg"
+    raw = {t["PatientName"] for t in truth} | {t["PatientID"] for t in truth}
+    text = open(meta.report_path).read() + open(meta.split_file).read()
+    assert not any(r in text for r in raw)
+    # another seed: new train/val names, the test name is shared and stays valid
+    names1 = register_braixdet_datasets("cbis_ddsm", synthetic_root.root,
+                                        **dict(kw, seed=1))
+    assert names1["test"] == names["test"] and names1["val"] == "synthreg_val_s1"
+    assert len(DatasetCatalog.get(names1["train_all"])) + len(DatasetCatalog.get(
+        names1["val"])) == len(sets["train_all"]) + len(sets["val"])
+    # map every image: still nothing written in the dataset folder
+    mapper = MultiViewDatasetMapper(True, canonical_size=(128, 64),
+                                    cache_dir=str(tmp_path / "cache"))
+    for d in sets["train_all"] + sets["test"]:
+        assert mapper(dict(d, _draw=0)) is not None
+    assert _tree_digest(synthetic_root.root) == before
+
+
+def test_register_from_cfg(synthetic_root, tmp_path):
+    cfg = add_braixdet_config(get_cfg())
+    cfg.OUTPUT_DIR = str(tmp_path / "out")
+    b = cfg.DATASETS.BRAIXDET
+    b.FORMAT, b.ROOT, b.CSV, b.NAME, b.PROTOCOL, b.SEED = (
+        "exam_csv", synthetic_root.root, "exams.csv", "synthcfg", "full", 2)
+    names = register_from_cfg(cfg)
+    assert names["train_full"] == "synthcfg_train_full_full_s2"
+    weak = DatasetCatalog.get(names["train_weak"])
+    assert weak and all(d["annotation_type"] == "weak" for d in weak)
+    assert os.path.isfile(os.path.join(cfg.OUTPUT_DIR, "splits", "synthcfg_report.json"))
+    with pytest.raises(ValueError):  # split files must not go into the dataset folder
+        register_braixdet_datasets("exam_csv", synthetic_root.root, name="x",
+                                   split_dir=os.path.join(synthetic_root.root, "splits"))
