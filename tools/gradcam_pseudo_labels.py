@@ -25,8 +25,12 @@ from detectron2.structures import Boxes, Instances
 from detectron2.utils.logger import setup_logger
 from tqdm import tqdm
 
-from braixdet.cam import boxes_to_original, cam_boxes_from_heatmap, gradcam_heatmaps
-from braixdet.cam import scaled_area_limits
+from braixdet.cam import (
+    boxes_to_original,
+    cam_boxes_from_heatmap,
+    gradcam_heatmaps,
+    scaled_area_limits,
+)
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
 

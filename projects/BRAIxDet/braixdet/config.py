@@ -74,7 +74,7 @@ def _add_dataset_config(cfg):
     d.RATIO = "1/8"  # partially labelled ratio of annotated images kept as boxes
     d.SEED = 0  # split seed: same seed -> same split everywhere
     d.VAL_FRACTION = 0.1  # patient-wise train/val split
-    d.SPLIT_DIR = ""  # where split JSONs are written; "" = <OUTPUT_DIR>/../splits
+    d.SPLIT_DIR = ""  # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits
     d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error
     d.VINDR_MALIGNANT_BIRADS = [4, 5]
     cfg.DATASETS.TRAIN_WEAK = ()  # weak stream (stage 2); filled from the protocol when empty
