@@ -219,12 +219,13 @@ class BRAIxTrainerBase(DefaultTrainer):
 
     def build_hooks(self):
         cfg = self.cfg
-        ret = [d2_hooks.IterationTimer(), d2_hooks.LRScheduler()]
+        ret = [d2_hooks.IterationTimer(), d2_hooks.LRScheduler(),
+               d2_hooks.EvalHook(cfg.TEST.EVAL_PERIOD, self._test_and_save_results)]
+        ret.extend(self.extra_hooks())  # e.g. ReduceLROnPlateau, which reads the evaluation
         if comm.is_main_process():
+            # after evaluation and LR decisions, so a checkpoint holds their outcome (exact resume)
             ret.append(d2_hooks.PeriodicCheckpointer(self.checkpointer,
                                                      cfg.SOLVER.CHECKPOINT_PERIOD))
-        ret.append(d2_hooks.EvalHook(cfg.TEST.EVAL_PERIOD, self._test_and_save_results))
-        ret.extend(self.extra_hooks())
         if comm.is_main_process():
             ret.append(d2_hooks.PeriodicWriter(self.build_writers(), period=20))
         return ret
