@@ -103,16 +103,16 @@ class ExamPredictor:
         idx = {uid: i for i, uid in enumerate(order)}
         images = [loaded[uid][1] for uid in order]
         index_pairs = [(idx[m.sop_uid], idx[(a or m).sop_uid]) for m, a in pairs]
-        transforms = [loaded[m.sop_uid][2] for m, _ in pairs]
-        sizes = [loaded[m.sop_uid][0].shape for m, _ in pairs]
+        transforms = [loaded[uid][2] for uid in order]  # per image, as inference_exam expects
+        sizes = [tuple(loaded[uid][0].shape) for uid in order]
         if self.share_features:
-            outs = self.model.inference_exam(images, index_pairs, transforms=transforms,
-                                             image_sizes=sizes)
+            outs = [o["instances"] for o in self.model.inference_exam(
+                images, index_pairs, transforms=transforms, sizes=sizes)]
         else:
             outs = []
-            for (mi, ai), tfm, (h, w) in zip(index_pairs, transforms, sizes):
-                inp = {"image": images[mi], "aux_image": images[ai], "transforms": tfm,
-                       "height": h, "width": w}
+            for mi, ai in index_pairs:
+                inp = {"image": images[mi], "aux_image": images[ai], "transforms": transforms[mi],
+                       "height": sizes[mi][0], "width": sizes[mi][1]}
                 outs.append(self.model([inp])[0]["instances"])
         return [(m, inst.to("cpu"), loaded[m.sop_uid][0]) for (m, _), inst in zip(pairs, outs)]
 

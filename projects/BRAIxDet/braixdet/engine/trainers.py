@@ -299,9 +299,9 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
     def build_model(cls, cfg):
         model = super().build_model(cfg)
         if cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER:
-            from ..modeling.rcnn import load_classifier_checkpoint
+            from ..modeling.rcnn import load_classifier_weights_from_cfg
 
-            report = load_classifier_checkpoint(model, cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER)
+            report = load_classifier_weights_from_cfg(model, cfg)
             logger.info("Initialised from classifier: %d tensors loaded, %d dropped",
                         len(report["loaded"]), len(report["dropped"]))
         return model
