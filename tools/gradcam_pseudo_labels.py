@@ -46,14 +46,18 @@ def parse_args(argv=None):
     ap.add_argument("--evaluate", default="", help="score CAM boxes on this dataset instead")
     ap.add_argument("--eval-out", default="", help="evaluator output folder (--evaluate)")
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--tau", type=float, default=0.5, help="heatmap threshold τ")
+    ap.add_argument("--tau", type=float, default=None,
+                    help="heatmap threshold τ (default MODEL.BRAIXDET.CAM.TAU)")
     ap.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides KEY VALUE ...")
     return ap.parse_args(argv)
 
 
-def iter_cam_boxes(model, mapper, dicts, batch_size, tau, canonical_size, desc):
+def iter_cam_boxes(model, mapper, dicts, batch_size, tau, cfg, desc):
     """Yield (dataset_dict, mapped_input, boxes_original (K,4) np, prob) per loadable image."""
-    min_area, max_area = scaled_area_limits(canonical_size)
+    c = cfg.MODEL.BRAIXDET.CAM
+    min_area, max_area = scaled_area_limits(cfg.INPUT.BRAIXDET.CANONICAL_SIZE,
+                                            ref_size=tuple(c.REF_SIZE),
+                                            limits=(c.MIN_AREA, c.MAX_AREA))
     for i in tqdm(range(0, len(dicts), batch_size), desc=desc, unit="batch"):
         chunk = dicts[i:i + batch_size]
         pairs = [(d, mapper(d)) for d in chunk]
@@ -84,7 +88,7 @@ def write_pseudo_labels(args, cfg, model, mapper, names):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(partial, "a") as f:
         for d, _, boxes, prob in iter_cam_boxes(model, mapper, todo, args.batch_size, args.tau,
-                                                cfg.INPUT.BRAIXDET.CANONICAL_SIZE, "GradCAM"):
+                                                cfg, "GradCAM"):
             rec = {"image_id": str(d["image_id"]), "boxes": boxes.round(2).tolist(),
                    "scores": [prob] * len(boxes)}
             f.write(json.dumps(rec) + "\n")
@@ -118,7 +122,7 @@ def evaluate_cam_detector(args, cfg, model, mapper):
     evaluator.reset()
     dicts = DatasetCatalog.get(args.evaluate)
     for d, x, boxes, prob in iter_cam_boxes(model, mapper, dicts, args.batch_size, args.tau,
-                                            cfg.INPUT.BRAIXDET.CANONICAL_SIZE, "CAM detector"):
+                                            cfg, "CAM detector"):
         inst = Instances((d["height"], d["width"]))
         inst.pred_boxes = Boxes(torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4))
         inst.scores = torch.full((len(boxes),), prob)
@@ -134,6 +138,8 @@ def main(argv=None):
     setup_logger(name="braixdet")
     cfg = build_cfg(args.config_file, args.opts)
     names = register_and_assign_datasets(cfg)
+    if args.tau is None:
+        args.tau = cfg.MODEL.BRAIXDET.CAM.TAU
     cfg.freeze()
     model = build_model(cfg)
     load_inference_weights(model, args.weights)

@@ -1,4 +1,4 @@
-"""BRAIxDet for Detectron2: malignant breast-lesion detection from incompletely annotated mammograms."""
+"""BRAIxDet for Detectron2: malignant lesion detection from incompletely annotated mammograms."""
 from . import modeling  # noqa: F401  (registers backbones and meta-architectures)
 from .config import add_braixdet_config
 

@@ -41,6 +41,13 @@ def _add_model_config(cfg):
     # Classifier head (MVCCL)
     b.CLS_HIDDEN_DIM = 256
     b.CLS_DROPOUT = 0.0
+    # Algorithm 1 (GradCAM pseudo-boxes): threshold τ and component-area limits, given in
+    # pixels at REF_SIZE and scaled with the canonical input size
+    b.CAM = CN()
+    b.CAM.TAU = 0.5
+    b.CAM.MIN_AREA = 32**2
+    b.CAM.MAX_AREA = 1024**2
+    b.CAM.REF_SIZE = (1536, 768)
     # Stage-1 checkpoint whose backbone + LCM initialise the detector ("" = none)
     b.INIT_FROM_CLASSIFIER = ""
     # FPN on top of the timm features for the detector

@@ -136,7 +136,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
 
         if comm.is_main_process():
             storage = get_event_storage()
-            storage.put_scalar("ssl/weak_images_with_targets", len(weak_batch), smoothing_hint=False)
+            storage.put_scalar("ssl/weak_images_with_targets", len(weak_batch),
+                               smoothing_hint=False)
             storage.put_scalar("ssl/cam_fusion", float(cam_active), smoothing_hint=False)
 
 

@@ -1,0 +1,166 @@
+"""timm encoder as a detectron2 Backbone, the two-view bottom-up and the FPN builder."""
+import logging
+import math
+import os
+
+import timm
+import torch
+from detectron2.layers import ShapeSpec
+from detectron2.modeling import BACKBONE_REGISTRY, Backbone
+from detectron2.modeling.backbone.fpn import FPN, LastLevelMaxPool
+
+from .lcm import LocalCoOccurrenceModule
+
+__all__ = [
+    "TimmBackbone",
+    "MultiViewBottomUp",
+    "build_multiview_bottom_up",
+    "build_timm_backbone",
+    "build_braixdet_fpn_backbone",
+]
+
+logger = logging.getLogger(__name__)
+FUSE_FEATURE = "res5"  # the LCM works on the stride-32 features
+
+
+def _pretrained_kwargs(pretrained: str) -> dict:
+    """timm kwargs for PRETRAINED: "" random, "imagenet" hub download, else a local weights file.
+
+    A local file goes through timm's own loader (pretrained_cfg_overlay) so that the stem is
+    adapted to one input channel exactly as for the hub weights (RGB kernels summed).
+    """
+    if not pretrained:
+        return {"pretrained": False}
+    if pretrained.lower() == "imagenet":
+        return {"pretrained": True}
+    if not os.path.isfile(pretrained):
+        raise FileNotFoundError(f"MODEL.BRAIXDET.PRETRAINED: no such file {pretrained!r}")
+    return {"pretrained": True, "pretrained_cfg_overlay": {"file": pretrained}}
+
+
+class TimmBackbone(Backbone):
+    """A timm `features_only` model for grey images; outputs res2..res5 (strides 4..32)."""
+
+    def __init__(self, model_name="efficientnet_b0", out_features=("res3", "res4", "res5"),
+                 pretrained="", in_chans=1):
+        super().__init__()
+        # Probe the stage layout on the meta device (no memory, no download) to pick out_indices.
+        with torch.device("meta"):
+            probe = timm.create_model(model_name, features_only=True, in_chans=in_chans)
+        name_to_idx = {}
+        for i, r in enumerate(probe.feature_info.reduction()):
+            stage = int(round(math.log2(r)))
+            if 2**stage == r and stage >= 2:
+                name_to_idx[f"res{stage}"] = i  # later index wins: the stage's last block
+        missing = [f for f in out_features if f not in name_to_idx]
+        if missing:
+            raise ValueError(f"{model_name} has no features {missing}; has {sorted(name_to_idx)}")
+        out_features = sorted(out_features, key=lambda f: int(f[3:]))
+        indices = tuple(name_to_idx[f] for f in out_features)
+        del probe
+        self.body = timm.create_model(
+            model_name, features_only=True, in_chans=in_chans, out_indices=indices,
+            **_pretrained_kwargs(pretrained),
+        )
+        info = self.body.feature_info
+        self._out_features = list(out_features)
+        self._out_feature_channels = dict(zip(out_features, info.channels()))
+        self._out_feature_strides = dict(zip(out_features, info.reduction()))
+
+    @property
+    def size_divisibility(self) -> int:
+        return 32
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return dict(zip(self._out_features, self.body(x)))
+
+
+class MultiViewBottomUp(Backbone):
+    """Shared encoder on [main, aux] + LCM fusion of the main view's stride-32 features.
+
+    forward(x): x (B, 2, H, W) = [main, aux] channels, or (B, 1, H, W) single view (a multi-view
+    model then uses the main as its own aux, like a missing aux view), or a dict of
+    precomputed (fused) features returned as is, so detectron2's FPN.forward can be reused on
+    features computed once per exam (see MultiViewRCNN.inference_exam).
+    """
+
+    def __init__(self, encoder: TimmBackbone, lcm: LocalCoOccurrenceModule = None,
+                 multi_view: bool = True):
+        super().__init__()
+        self.encoder = encoder
+        self.lcm = lcm
+        self.multi_view = multi_view
+        if lcm is not None and FUSE_FEATURE not in encoder._out_features:
+            raise ValueError(f"the LCM needs encoder feature {FUSE_FEATURE}")
+
+    @property
+    def size_divisibility(self) -> int:
+        return self.encoder.size_divisibility
+
+    def output_shape(self):
+        return self.encoder.output_shape()
+
+    def encode(self, x: torch.Tensor) -> dict:
+        """(N, 1, H, W) -> per-image encoder features (no fusion)."""
+        return self.encoder(x)
+
+    def fuse(self, main_feats: dict, aux_feats: dict) -> dict:
+        """Main features with res5 replaced by ũ_m = LCM.to_main(u_m, u_a); others unchanged."""
+        out = dict(main_feats)
+        if self.lcm is not None:
+            out[FUSE_FEATURE] = self.lcm.to_main(main_feats[FUSE_FEATURE], aux_feats[FUSE_FEATURE])
+        return out
+
+    def forward(self, x):
+        if isinstance(x, dict):
+            return x
+        if x.dim() != 4 or x.shape[1] not in (1, 2):
+            raise ValueError(f"expected (B, 1|2, H, W) input, got {tuple(x.shape)}")
+        if self.lcm is None or not self.multi_view:
+            return self.encode(x[:, :1])  # single view (or no fusion): aux not needed
+        if x.shape[1] == 1:
+            x = x.expand(-1, 2, -1, -1)  # no aux given: the main is its own aux (DESIGN §2)
+        b = x.shape[0]
+        # Both views in ONE encoder call: shared weights, one pass, batch statistics over both.
+        feats = self.encode(torch.cat([x[:, :1], x[:, 1:2]], dim=0))
+        main = {k: v[:b] for k, v in feats.items()}
+        aux = {k: v[b:] for k, v in feats.items()}
+        return self.fuse(main, aux)
+
+
+def _encoder_from_cfg(cfg) -> TimmBackbone:
+    b = cfg.MODEL.BRAIXDET
+    return TimmBackbone(
+        b.TIMM_MODEL, out_features=tuple(b.OUT_FEATURES), pretrained=b.PRETRAINED,
+        in_chans=b.IN_CHANS,
+    )
+
+
+def build_multiview_bottom_up(cfg, bidirectional: bool = False) -> MultiViewBottomUp:
+    """Encoder + LCM (bidirectional in the classifier, main branch only in the detector)."""
+    b = cfg.MODEL.BRAIXDET
+    encoder = _encoder_from_cfg(cfg)
+    lcm = None
+    if b.MULTI_VIEW and b.LCM.ENABLED:
+        channels = encoder.output_shape()[FUSE_FEATURE].channels
+        lcm = LocalCoOccurrenceModule.from_cfg(cfg, channels, bidirectional=bidirectional)
+    return MultiViewBottomUp(encoder, lcm, multi_view=b.MULTI_VIEW)
+
+
+@BACKBONE_REGISTRY.register()
+def build_timm_backbone(cfg, input_shape: ShapeSpec = None) -> TimmBackbone:
+    """Plain single-view timm backbone (no FPN)."""
+    return _encoder_from_cfg(cfg)
+
+
+@BACKBONE_REGISTRY.register()
+def build_braixdet_fpn_backbone(cfg, input_shape: ShapeSpec = None) -> FPN:
+    """detectron2 FPN over the two-view bottom-up (+ max-pool level on the coarsest output)."""
+    return FPN(
+        bottom_up=build_multiview_bottom_up(cfg, bidirectional=False),
+        in_features=cfg.MODEL.FPN.IN_FEATURES,
+        out_channels=cfg.MODEL.FPN.OUT_CHANNELS,
+        norm=cfg.MODEL.FPN.NORM,
+        top_block=LastLevelMaxPool(),
+        fuse_type=cfg.MODEL.FPN.FUSE_TYPE,
+    )

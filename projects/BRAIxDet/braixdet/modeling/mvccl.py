@@ -1,0 +1,127 @@
+"""BRAIxMVCCL multi-view classifier (stage 1, paper eq. 1; DESIGN §3.4)."""
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from detectron2.config import configurable
+from detectron2.modeling import META_ARCH_REGISTRY
+from detectron2.structures import ImageList
+from torch import nn
+
+from .backbone import FUSE_FEATURE, MultiViewBottomUp, build_multiview_bottom_up
+from .gcm import GlobalConsistencyModule
+
+__all__ = ["MVCCLClassifier"]
+
+
+@META_ARCH_REGISTRY.register()
+class MVCCLClassifier(nn.Module):
+    """Two views -> one malignancy logit for the main view.
+
+    Head input: concat[GCM global g_m + P(g_a), GAP(ũ_m), GAP(ũ_a)] (multi-view) or
+    concat[GMP(u_m), GAP(u_m)] (single view: the same head without the second view).
+    """
+
+    @configurable
+    def __init__(
+        self, *, bottom_up: MultiViewBottomUp, gcm: GlobalConsistencyModule = None,
+        head: nn.Module, pixel_mean, pixel_std, multi_view: bool = True,
+        consistency_weight: float = 1.0,
+    ):
+        super().__init__()
+        self.bottom_up = bottom_up
+        self.gcm = gcm
+        self.head = head
+        self.multi_view = multi_view
+        self.consistency_weight = consistency_weight
+        self.register_buffer("pixel_mean", torch.tensor(pixel_mean).view(-1, 1, 1), False)
+        self.register_buffer("pixel_std", torch.tensor(pixel_std).view(-1, 1, 1), False)
+
+    @classmethod
+    def from_config(cls, cfg):
+        b = cfg.MODEL.BRAIXDET
+        bottom_up = build_multiview_bottom_up(cfg, bidirectional=True)
+        c = bottom_up.output_shape()[FUSE_FEATURE].channels
+        multi_view = bool(b.MULTI_VIEW)
+        gcm = GlobalConsistencyModule(c) if multi_view and b.GCM.ENABLED else None
+        in_dim = 3 * c if multi_view else 2 * c
+        head = nn.Sequential(
+            nn.Linear(in_dim, b.CLS_HIDDEN_DIM), nn.ReLU(inplace=True),
+            nn.Dropout(b.CLS_DROPOUT), nn.Linear(b.CLS_HIDDEN_DIM, 1),
+        )
+        return {
+            "bottom_up": bottom_up, "gcm": gcm, "head": head,
+            "pixel_mean": cfg.MODEL.PIXEL_MEAN, "pixel_std": cfg.MODEL.PIXEL_STD,
+            "multi_view": multi_view, "consistency_weight": b.GCM.LOSS_WEIGHT,
+        }
+
+    @property
+    def device(self):
+        return self.pixel_mean.device
+
+    def preprocess_image(self, batched_inputs: List[Dict]) -> ImageList:
+        """Normalise and stack [main, aux] as channels (main only when single-view)."""
+        images = []
+        for x in batched_inputs:
+            views = [x["image"]] + ([x["aux_image"]] if self.multi_view else [])
+            views = [(v.to(self.device) - self.pixel_mean) / self.pixel_std for v in views]
+            images.append(torch.cat(views, dim=0))
+        return ImageList.from_tensors(images, self.bottom_up.size_divisibility)
+
+    def forward_tensor(self, x: torch.Tensor, cam: bool = False):
+        """x: normalised (B, 2|1, H, W) -> (logits (B,), extras).
+
+        extras: "main_features" (ũ_m, or u_m single-view: the GradCAM target) and
+        "loss_sim" (GCM consistency, unweighted; only with GCM).
+        """
+        b = x.shape[0]
+        bu = self.bottom_up
+        extras = {}
+        if self.multi_view:
+            u = bu.encode(torch.cat([x[:, :1], x[:, 1:2]], dim=0))[FUSE_FEATURE]
+            u_m, u_a = u[:b], u[b:]
+            if bu.lcm is not None:
+                t_m, t_a = bu.lcm(u_m, u_a)
+                t_a = u_a if t_a is None else t_a
+            else:
+                t_m, t_a = u_m, u_a
+            t_m = self._cam_target(t_m, cam)
+            if self.gcm is not None:
+                g, g_m, g_a = self.gcm(u_m, u_a)
+                extras["loss_sim"] = self.gcm.consistency_loss(g_m, g_a)
+            else:
+                g = torch.amax(t_m, dim=(2, 3))
+            z = torch.cat([g, t_m.mean(dim=(2, 3)), t_a.mean(dim=(2, 3))], dim=1)
+        else:
+            t_m = self._cam_target(bu.encode(x[:, :1])[FUSE_FEATURE], cam)
+            z = torch.cat([torch.amax(t_m, dim=(2, 3)), t_m.mean(dim=(2, 3))], dim=1)
+        extras["main_features"] = t_m
+        return self.head(z).squeeze(1), extras
+
+    @staticmethod
+    def _cam_target(t: torch.Tensor, cam: bool) -> torch.Tensor:
+        # With frozen parameters the target would not require grad; cutting the graph there
+        # is harmless for GradCAM (nothing upstream is needed) and makes d logit / d t exist.
+        if cam and torch.is_grad_enabled() and not t.requires_grad:
+            t = t.detach().requires_grad_(True)
+        return t
+
+    def forward_features(self, batched_inputs: List[Dict]):
+        """(main-view last-stage features (B, C, h, w) used by GradCAM, logits (B,))."""
+        images = self.preprocess_image(batched_inputs)
+        logits, extras = self.forward_tensor(images.tensor, cam=True)
+        return extras["main_features"], logits
+
+    def forward(self, batched_inputs: List[Dict]):
+        images = self.preprocess_image(batched_inputs)
+        logits, extras = self.forward_tensor(images.tensor)
+        if self.training:
+            labels = torch.tensor(
+                [float(x["label"]) for x in batched_inputs], device=logits.device
+            )
+            losses = {"loss_cls": F.binary_cross_entropy_with_logits(logits, labels)}
+            if "loss_sim" in extras:
+                losses["loss_consistency"] = self.consistency_weight * extras["loss_sim"]
+            return losses
+        probs = torch.sigmoid(logits)
+        return [{"prob": p, "logit": z} for p, z in zip(probs, logits)]

@@ -1,0 +1,195 @@
+"""BRAIxDet detector: two-view Faster R-CNN (DESIGN §3.6), classifier -> detector weights."""
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from detectron2.config import configurable
+from detectron2.modeling import META_ARCH_REGISTRY, GeneralizedRCNN
+from detectron2.modeling.postprocessing import detector_postprocess
+from detectron2.structures import Boxes, ImageList, Instances
+from detectron2.utils.file_io import PathManager
+
+__all__ = [
+    "MultiViewRCNN",
+    "instances_to_original",
+    "load_classifier_weights",
+    "load_classifier_weights_from_cfg",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def instances_to_original(
+    instances: Instances, tfm, size: Optional[Tuple[int, int]] = None
+) -> Instances:
+    """Map canonical-frame predictions to ORIGINAL pixels with `tfm.inverse()`, clip to `size`.
+
+    `tfm` maps original -> canonical (the mapper's "transforms"); empty boxes after clipping
+    are dropped, as detectron2's detector_postprocess does.
+    """
+    boxes = instances.pred_boxes.tensor
+    if len(boxes):
+        mapped = tfm.inverse().apply_box(boxes.detach().cpu().numpy().astype(np.float64))
+        boxes = torch.as_tensor(np.asarray(mapped, dtype=np.float32), device=boxes.device)
+    out = Instances(tuple(size) if size is not None else instances.image_size)
+    for k, v in instances.get_fields().items():
+        out.set(k, v)
+    out.pred_boxes = Boxes(boxes.reshape(-1, 4))
+    if size is not None:
+        out.pred_boxes.clip(out.image_size)
+        out = out[out.pred_boxes.nonempty()]
+    return out
+
+
+@META_ARCH_REGISTRY.register()
+class MultiViewRCNN(GeneralizedRCNN):
+    """GeneralizedRCNN whose input is [main, aux] stacked as channels (main only single-view).
+
+    Use MODEL.BACKBONE.NAME = "build_braixdet_fpn_backbone". Inputs: "image" and "aux_image"
+    (1, H, W) in [0, 1] (canonical frame), optional "instances" (canonical coords),
+    "transforms" (original -> canonical), "height"/"width" (original).
+    """
+
+    @configurable
+    def __init__(self, *, multi_view: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.multi_view = multi_view
+
+    @classmethod
+    def from_config(cls, cfg):
+        ret = super().from_config(cfg)
+        ret["multi_view"] = bool(cfg.MODEL.BRAIXDET.MULTI_VIEW)
+        return ret
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.device) - self.pixel_mean) / self.pixel_std
+
+    def preprocess_image(self, batched_inputs: List[Dict]) -> ImageList:
+        images = []
+        for x in batched_inputs:
+            views = [x["image"]] + ([x["aux_image"]] if self.multi_view else [])
+            images.append(torch.cat([self._normalize(v) for v in views], dim=0))
+        return ImageList.from_tensors(images, self.backbone.size_divisibility)
+
+    def inference(self, batched_inputs, detected_instances=None, do_postprocess=True):
+        results = super().inference(batched_inputs, detected_instances, do_postprocess=False)
+        if not do_postprocess:
+            return results
+        sizes = [tuple(x["image"].shape[-2:]) for x in batched_inputs]
+        return self.postprocess_to_original(results, batched_inputs, sizes)
+
+    @staticmethod
+    def postprocess_to_original(results, batched_inputs, image_sizes):
+        """Boxes to original pixels via "transforms" when present, else detectron2 rescaling."""
+        out = []
+        for r, inp, size in zip(results, batched_inputs, image_sizes):
+            tfm = inp.get("transforms")
+            h, w = inp.get("height"), inp.get("width")
+            if tfm is not None:
+                r = instances_to_original(r, tfm, (h, w) if h is not None else None)
+            else:
+                r = detector_postprocess(r, h if h is not None else size[0],
+                                         w if w is not None else size[1])
+            out.append({"instances": r})
+        return out
+
+    @torch.no_grad()
+    def inference_exam(
+        self, images: Sequence[torch.Tensor], pairs: Sequence[Tuple[int, int]],
+        transforms: Optional[Sequence] = None, sizes: Optional[Sequence[Tuple[int, int]]] = None,
+    ) -> List[Dict]:
+        """Detect on every (main_idx, aux_idx) pair of one exam, encoding each image ONCE.
+
+        images: (1, H, W) tensors in [0, 1], same canonical size. transforms / sizes: optional
+        per-IMAGE original->canonical TransformLists and original (height, width); the output
+        of pair k uses those of its main image. Returns one {"instances"} per pair, identical
+        to calling the model on each pair.
+        """
+        assert not self.training, "inference_exam is for eval mode"
+        bottom_up = self.backbone.bottom_up
+        x = ImageList.from_tensors([self._normalize(im) for im in images],
+                                   self.backbone.size_divisibility)
+        feats = bottom_up.encode(x.tensor)  # one encoder call for the whole exam
+        mi = torch.as_tensor([p[0] for p in pairs], device=self.device, dtype=torch.long)
+        ai = torch.as_tensor([p[1] for p in pairs], device=self.device, dtype=torch.long)
+        main = {k: v[mi] for k, v in feats.items()}
+        if self.multi_view:
+            main = bottom_up.fuse(main, {k: v[ai] for k, v in feats.items()})
+        features = self.backbone(main)  # FPN; the bottom-up passes the dict through
+        mains = ImageList(x.tensor[mi], [x.image_sizes[i] for i in mi.tolist()])
+        proposals, _ = self.proposal_generator(mains, features, None)
+        results, _ = self.roi_heads(mains, features, proposals, None)
+        pseudo_inputs = []
+        for m, _a in pairs:
+            d = {"image": images[m]}
+            if transforms is not None and transforms[m] is not None:
+                d["transforms"] = transforms[m]
+            if sizes is not None:
+                d["height"], d["width"] = sizes[m]
+            pseudo_inputs.append(d)
+        return self.postprocess_to_original(results, pseudo_inputs, mains.image_sizes)
+
+
+_DROP_PREFIXES = ("bottom_up.lcm.to_aux.", "gcm.", "head.")
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def load_classifier_weights(detector, classifier_state_dict: Dict[str, torch.Tensor]) -> Dict:
+    """Initialise the detector's backbone + LCM from an MVCCLClassifier state dict.
+
+    Maps classifier `bottom_up.*` -> detector `backbone.bottom_up.*` (BN buffers included);
+    drops `bottom_up.lcm.to_aux.*`, `gcm.*`, `head.*`. Returns dict(loaded, dropped, missing,
+    mismatched): `missing` = detector `backbone.bottom_up.*` keys not initialised; `mismatched`
+    = keys present in both with different shapes (not loaded).
+    """
+    detector = _unwrap(detector)
+    target = detector.state_dict()
+    new, loaded, dropped, mismatched = {}, [], [], []
+    for k, v in classifier_state_dict.items():
+        k = k[len("module."):] if k.startswith("module.") else k
+        if k.startswith(_DROP_PREFIXES) or not k.startswith("bottom_up."):
+            dropped.append(k)
+            continue
+        tk = "backbone." + k
+        if tk not in target:
+            dropped.append(k)  # e.g. the LCM of a multi-view classifier -> single-view detector
+        elif tuple(target[tk].shape) != tuple(v.shape):
+            mismatched.append(tk)
+        else:
+            new[tk] = v
+            loaded.append(tk)
+    prefix = "backbone.bottom_up."
+    missing = sorted(k for k in target if k.startswith(prefix) and k not in new)
+    if new:
+        target.update(new)
+        detector.load_state_dict(target)
+    return {"loaded": sorted(loaded), "dropped": sorted(dropped), "missing": missing,
+            "mismatched": sorted(mismatched)}
+
+
+def load_classifier_weights_from_cfg(detector, cfg) -> Optional[Dict]:
+    """Apply MODEL.BRAIXDET.INIT_FROM_CLASSIFIER (a detectron2 checkpoint of the classifier).
+
+    No-op (returns None) when the key is empty. Raises on shape mismatches (a classifier trained
+    with another TIMM_MODEL / LCM size) since silently skipping them would train from scratch.
+    """
+    path = cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER
+    if not path:
+        return None
+    with PathManager.open(path, "rb") as f:
+        ckpt = torch.load(f, map_location="cpu", weights_only=True)
+    state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else ckpt
+    report = load_classifier_weights(detector, state)
+    if report["mismatched"]:
+        raise ValueError(f"{path}: shape mismatch for {report['mismatched'][:5]} ...")
+    logger.info(
+        "Initialised detector from classifier %s: %d tensors loaded, %d dropped, %d missing",
+        path, len(report["loaded"]), len(report["dropped"]), len(report["missing"]),
+    )
+    if report["missing"]:
+        logger.warning("Detector tensors not in the classifier: %s", report["missing"][:10])
+    return report

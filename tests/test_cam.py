@@ -1,0 +1,165 @@
+"""Algorithm 1 (GradCAM pseudo-boxes): post-processing and GradCAM vs pytorch-grad-cam."""
+import numpy as np
+import pytest
+import torch
+from _cfg_helpers import tiny_classifier_cfg
+from detectron2.data.transforms import (
+    CropTransform,
+    HFlipTransform,
+    ResizeTransform,
+    TransformList,
+)
+from detectron2.modeling import build_model
+from torch import nn
+
+import braixdet.modeling  # noqa: F401
+from braixdet.cam import (
+    _minmax,
+    boxes_to_original,
+    cam_boxes_from_heatmap,
+    gradcam_heatmaps,
+    scaled_area_limits,
+)
+
+H, W = 128, 64
+
+
+# --- Algorithm 1 post-processing ---------------------------------------------------------------
+
+def test_threshold_components_and_area_filter():
+    h = np.zeros((200, 100), np.float32)
+    h[10:30, 5:25] = 0.9  # A: 20x20 = 400 px -> kept
+    h[50:53, 50:53] = 0.8  # B: 9 px -> below min_area
+    h[100:190, 10:90] = 0.7  # C: 90x80 = 7200 px -> above max_area
+    h[60:70, 60:70] = 0.6  # D: 10x10 ...
+    h[70:75, 70:75] = 0.6  # ... + 5x5 touching D only at a corner: one 8-connected component
+    h[5:40, 80:95] = 0.5  # E: exactly tau -> not above the threshold, ignored
+    boxes = cam_boxes_from_heatmap(h, tau=0.5, min_area=16, max_area=5000)
+    assert boxes.dtype == np.float32 and boxes.shape == (2, 4)
+    got = sorted(map(tuple, boxes.tolist()))
+    assert got == [(5, 10, 25, 30), (60, 60, 75, 75)]  # xyxy, right/bottom exclusive
+    # the area filter is inclusive at both limits
+    assert len(cam_boxes_from_heatmap(h, 0.5, min_area=400, max_area=400)) == 1
+    # nothing above tau -> no boxes, right shape
+    assert cam_boxes_from_heatmap(np.zeros((8, 8)), 0.5, 1, 100).shape == (0, 4)
+    # no area filter: A, B, C, D (4-connectivity would split D; 8-connectivity keeps it whole)
+    all_boxes = cam_boxes_from_heatmap(h, 0.55, min_area=1, max_area=1e9)
+    assert len(all_boxes) == 4 and [60, 60, 75, 75] in all_boxes.tolist()
+
+
+def test_scaled_area_limits():
+    assert scaled_area_limits((1536, 768)) == (32**2, 1024**2)
+    lo, hi = scaled_area_limits((768, 384))
+    assert lo == pytest.approx(32**2 / 4) and hi == pytest.approx(1024**2 / 4)
+    assert scaled_area_limits((128, 64), limits=(10, 20)) == pytest.approx(
+        (10 * 128 * 64 / (1536 * 768), 20 * 128 * 64 / (1536 * 768)))
+
+
+def _flip_crop_resize():
+    """original 400x300 (H, W) -> crop (x 50..250, y 20..380) -> hflip -> resize to 128x64."""
+    return TransformList([
+        CropTransform(50, 20, 200, 360, orig_w=300, orig_h=400),
+        HFlipTransform(200),
+        ResizeTransform(360, 200, H, W),
+    ])
+
+
+def test_boxes_to_original_flip_crop_resize():
+    tfm = _flip_crop_resize()
+    orig = np.array([[60.0, 100.0, 120.0, 180.0], [200.0, 300.0, 240.0, 370.0]])
+    canon = tfm.apply_box(orig)
+    # the flip sends the leftmost original box to the right of the canonical frame
+    assert canon[0, 0] > canon[1, 0]
+    back = boxes_to_original(canon, tfm)
+    assert back.dtype == np.float32 and np.allclose(back, orig, atol=1e-3)
+    assert boxes_to_original(np.zeros((0, 4)), tfm).shape == (0, 4)
+    clipped = boxes_to_original(np.array([[0.0, 0.0, W, H]]), tfm, size=(100, 100))
+    assert clipped.max() <= 100
+
+    # full Algorithm 1 path: heatmap blob on the canonical grid -> box -> original pixels
+    heat = np.zeros((H, W), np.float32)
+    x0, y0, x1, y1 = np.round(canon[0]).astype(int)
+    heat[y0:y1, x0:x1] = 1.0
+    (box,) = cam_boxes_from_heatmap(heat, 0.5, min_area=4, max_area=H * W)
+    mapped = boxes_to_original(box[None], tfm, size=(400, 300))[0]
+    # within one canonical pixel (200/64 x, 360/128 y original px) of the true box
+    assert np.all(np.abs(mapped - orig[0]) <= np.array([3.2, 2.9, 3.2, 2.9]))
+
+
+def test_minmax_keeps_all_zero_maps_zero():
+    cam = torch.zeros(2, 4, 4)
+    cam[1, 1, 1] = 3.0
+    out = _minmax(cam)
+    assert torch.equal(out[0], torch.zeros(4, 4)) and out[1].max() == 1 and out[1].min() == 0
+
+
+# --- GradCAM ------------------------------------------------------------------------------------
+
+def _blob(g):
+    yy, xx = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
+    cy = torch.randint(16, H - 16, (2,), generator=g)
+    cx = torch.randint(8, W - 8, (2,), generator=g)
+    img = 0.2 * torch.rand(H, W, generator=g)
+    for y, x in zip(cy.tolist(), cx.tolist()):
+        img += 0.6 * torch.exp(-((yy - y) ** 2 + (xx - x) ** 2) / 50.0)
+    return img.clamp(0, 1)[None]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["multi_view", "single_view"])
+def classifier(request):
+    torch.manual_seed(0)
+    model = build_model(tiny_classifier_cfg(multi_view=request.param))
+    g = torch.Generator().manual_seed(1)
+    inputs = [{"image": _blob(g), "aux_image": _blob(g), "label": 1} for _ in range(2)]
+    # realistic BN statistics (random-init nets collapse in eval mode with running stats 0/1)
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
+    with torch.no_grad():
+        model.train().forward_tensor(model.preprocess_image(inputs).tensor)
+    for m in bns:
+        m.momentum = 0.1
+    model.eval()
+    return model, inputs
+
+
+class _StackedInput(nn.Module):
+    """pytorch-grad-cam calls model(tensor): feed the normalised stacked [main, aux] tensor."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model.forward_tensor(x)[0][:, None]
+
+
+def test_gradcam_matches_pytorch_grad_cam(classifier):
+    from pytorch_grad_cam import GradCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    model, inputs = classifier
+    bu = model.bottom_up
+    # Algorithm 1's target: the main view's fused last-stage features (encoder res5 if 1 view)
+    layer = bu.lcm.to_main if bu.lcm is not None else bu.encoder.body.blocks[-1]
+    with torch.no_grad():  # must re-enable gradients itself
+        heat, probs = gradcam_heatmaps(model, inputs)
+    assert not model.training
+    assert heat.dtype == np.float32 and heat.shape == (2, H, W)
+    assert heat.min() >= 0 and heat.max() <= 1 and np.allclose(heat.max(axis=(1, 2)), 1)
+    with torch.no_grad():
+        ref_probs = torch.stack([o["prob"] for o in model(inputs)]).numpy()
+    assert np.allclose(probs, ref_probs, atol=1e-6)
+
+    x = model.preprocess_image(inputs).tensor
+    with GradCAM(model=_StackedInput(model), target_layers=[layer]) as cam:
+        ref = cam(input_tensor=x, targets=[ClassifierOutputTarget(0)] * len(inputs))
+    assert ref.shape == heat.shape
+    assert np.abs(heat - ref).max() < 1e-5
+
+    # resizing to another target size keeps [0, 1] and the peak
+    big, _ = gradcam_heatmaps(model.train(), inputs, target_size=(2 * H, 2 * W))
+    assert model.training  # mode restored
+    model.eval()
+    assert big.shape == (2, 2 * H, 2 * W) and np.allclose(big.max(axis=(1, 2)), 1)

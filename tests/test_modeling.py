@@ -1,0 +1,329 @@
+"""Backbone, LCM, GCM, MVCCL classifier and MultiViewRCNN on tiny random-init models."""
+import numpy as np
+import pytest
+import torch
+from _cfg_helpers import tiny_cfg
+from detectron2.data.transforms import ResizeTransform, TransformList
+from detectron2.modeling import build_model
+from detectron2.structures import Boxes, Instances
+from detectron2.utils.events import EventStorage
+
+import braixdet.modeling  # noqa: F401  (registers backbones / meta-archs)
+from braixdet.modeling import (
+    GlobalConsistencyModule,
+    LocalCoOccurrenceModule,
+    MultiViewBottomUp,
+    load_classifier_weights,
+    load_classifier_weights_from_cfg,
+)
+from braixdet.modeling.backbone import build_braixdet_fpn_backbone
+
+H, W = 128, 64
+
+
+def blob_image(g, h=H, w=W):
+    """Noise + one bright Gaussian blob (structured, unlike pure noise, so views differ)."""
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    cy = torch.randint(12, h - 12, (1,), generator=g).item()
+    cx = torch.randint(8, w - 8, (1,), generator=g).item()
+    r = 3 + 8 * torch.rand(1, generator=g).item()
+    img = 0.3 * torch.rand(h, w, generator=g) + 0.7 * torch.exp(
+        -((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * r * r)
+    )
+    return img[None].float()
+
+
+def make_inputs(n, seed=0, boxes=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        d = {"image": blob_image(g), "aux_image": blob_image(g), "label": i % 2,
+             "height": H, "width": W}
+        if boxes:
+            d["instances"] = Instances(
+                (H, W), gt_boxes=Boxes(torch.tensor([[10.0, 20.0, 40.0, 60.0]])),
+                gt_classes=torch.tensor([0]),
+            )
+        out.append(d)
+    return out
+
+
+@torch.no_grad()
+def calibrate_bn(model, inputs):
+    """Random-init timm nets collapse in eval mode (running stats 0/1). One train-mode forward
+    with cumulative BN averaging sets the running stats to these inputs' batch statistics, so
+    eval-mode outputs depend on the input."""
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    saved = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    x = model.preprocess_image(inputs).tensor
+    model.forward_tensor(x) if hasattr(model, "forward_tensor") else model.backbone(x)
+    for m, mom in zip(bns, saved):
+        m.momentum = mom
+    model.eval()
+    return model
+
+
+def build(meta="MultiViewRCNN", multi_view=True, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = tiny_cfg(meta, multi_view=multi_view)
+    for k, v in overrides.items():
+        node = cfg
+        *parents, leaf = k.split(".")
+        for p in parents:
+            node = getattr(node, p)
+        setattr(node, leaf, v)
+    return build_model(cfg), cfg
+
+
+# --- backbone ---------------------------------------------------------------------------------
+
+def test_backbone_shapes():
+    cfg = tiny_cfg()
+    cfg.MODEL.BRAIXDET.OUT_FEATURES = ["res2", "res3", "res4", "res5"]
+    fpn = build_braixdet_fpn_backbone(cfg)
+    bu = fpn.bottom_up
+    assert isinstance(bu, MultiViewBottomUp) and bu.lcm is not None and bu.lcm.to_aux is None
+    shapes = bu.output_shape()
+    assert {k: s.stride for k, s in shapes.items()} == {"res2": 4, "res3": 8, "res4": 16,
+                                                         "res5": 32}
+    assert bu.size_divisibility == 32
+    x = torch.rand(1, 2, H, W)
+    feats = bu(x)
+    for k, s in shapes.items():
+        assert feats[k].shape == (1, s.channels, H // s.stride, W // s.stride)
+    # the dict passthrough lets FPN.forward run on precomputed features
+    assert bu(feats) is feats
+    out = fpn(feats)
+    assert list(out) == ["p3", "p4", "p5", "p6"]
+    assert out["p6"].shape == (1, 32, H // 64, W // 64)
+    # single-channel input: the main view is its own aux (missing-aux convention)
+    bu.eval()
+    same = torch.cat([x[:, :1], x[:, :1]], dim=1)
+    assert torch.allclose(bu(x[:, :1])["res5"], bu(same)["res5"], atol=1e-6)
+
+
+def test_lcm_identity_init_and_uses_aux():
+    torch.manual_seed(0)
+    lcm = LocalCoOccurrenceModule(16, embed_dim=32, num_heads=4, out_dim=8, bidirectional=True)
+    u_m, u_a = torch.randn(2, 16, 4, 2), torch.randn(2, 16, 4, 2)
+    t_m, t_a = lcm(u_m, u_a)
+    assert t_m.shape == u_m.shape and t_a.shape == u_a.shape
+    # starts close to u_m (identity-initialised fusion) but does depend on the aux view
+    rel = (t_m - u_m).norm() / u_m.norm()
+    assert 1e-4 < rel < 0.3
+    t_m2, _ = lcm(u_m, torch.randn(2, 16, 4, 2))
+    assert not torch.allclose(t_m, t_m2)
+    assert LocalCoOccurrenceModule(16, 32, 4, 8, bidirectional=False).to_aux is None
+
+
+def test_gcm_loss_formula():
+    gcm = GlobalConsistencyModule(2)
+    with torch.no_grad():
+        gcm.proj.weight.copy_(torch.tensor([[0.0, 1.0], [1.0, 0.0]]))  # P swaps coordinates
+        gcm.proj.bias.zero_()
+    g_m = torch.tensor([[1.0, 0.0], [3.0, 4.0]])
+    g_a = torch.tensor([[1.0, 0.0], [4.0, 3.0]])
+    # P(g_a) = [[0,1],[3,4]], P(g_m) = [[0,1],[4,3]]
+    cos1 = torch.tensor([0.0, 1.0])  # cos(g_m, P g_a)
+    cos2 = torch.tensor([0.0, 1.0])  # cos(g_a, P g_m)
+    expected = -0.5 * (cos1 + cos2).mean()
+    assert torch.allclose(gcm.consistency_loss(g_m, g_a), expected, atol=1e-6)
+    u_m = torch.zeros(2, 2, 3, 3)
+    u_m[:, :, 1, 1] = g_m
+    u_a = torch.zeros(2, 2, 3, 3)
+    u_a[:, :, 0, 2] = g_a
+    g, pm, pa = gcm(u_m, u_a)  # global max pool, g = g_m + P(g_a)
+    assert torch.equal(pm, g_m) and torch.equal(pa, g_a)
+    assert torch.allclose(g, g_m + g_a.flip(1))
+
+
+# --- classifier -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_classifier():
+    """MVCCL overfitted on a fixed batch of 4 (shared: training is the slow part)."""
+    model, _ = build("MVCCLClassifier")
+    inputs = make_inputs(4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    history = []
+    for _ in range(8):
+        losses = model(inputs)
+        assert set(losses) == {"loss_cls", "loss_consistency"}
+        opt.zero_grad()
+        sum(losses.values()).backward()
+        opt.step()
+        history.append({k: v.item() for k, v in losses.items()})
+    model.eval()
+    return model, inputs, history
+
+
+def test_mvccl_overfits_fixed_batch(trained_classifier):
+    model, inputs, history = trained_classifier
+    assert model.bottom_up.lcm.to_aux is not None and model.gcm is not None
+    cls = [h["loss_cls"] for h in history]
+    assert cls[-1] < 0.3 * cls[0] and cls[-1] < 0.1
+    # the consistency term is optimised too (cosines -> 1, so ℓ_sim -> -1)
+    assert history[-1]["loss_consistency"] < history[0]["loss_consistency"] - 0.1
+    out = model(inputs)
+    assert len(out) == 4 and out[0]["prob"].dim() == 0
+    assert torch.allclose(out[1]["prob"], torch.sigmoid(out[1]["logit"]))
+
+
+def _swap_aux(inputs):
+    g = torch.Generator().manual_seed(9)
+    return [dict(d, aux_image=blob_image(g)) for d in inputs]
+
+
+def test_mvccl_uses_second_view(trained_classifier):
+    model, inputs, _ = trained_classifier
+    with torch.no_grad():
+        f1, z1 = model.forward_features(inputs)
+        f2, z2 = model.forward_features(_swap_aux(inputs))
+    scale = f1.abs().max()
+    # deterministic eval-mode difference, far above float noise (~1e-7 relative)
+    assert (f1 - f2).abs().max() > 1e-5 * scale
+    assert (z1 - z2).abs().max() > 1e-5
+    # control: with the LCM's cross-view part switched off, the aux no longer reaches ũ_m
+    fuse = model.bottom_up.lcm.to_main.fuse
+    saved = fuse.weight.detach().clone()
+    c = fuse.out_channels
+    with torch.no_grad():
+        fuse.weight[:, c:] = 0
+        g1, _ = model.forward_features(inputs)
+        g2, _ = model.forward_features(_swap_aux(inputs))
+        fuse.weight.copy_(saved)
+    assert (g1 - g2).abs().max() < 1e-6 * scale
+
+
+def test_single_view_classifier_ignores_aux():
+    model, _ = build("MVCCLClassifier", multi_view=False)
+    inputs = make_inputs(2, seed=1)
+    assert model.gcm is None and model.bottom_up.lcm is None
+    assert set(model.train()(inputs)) == {"loss_cls"}
+    calibrate_bn(model, inputs)
+    with torch.no_grad():
+        f1, z1 = model.forward_features(inputs)
+        f2, z2 = model.forward_features(_swap_aux(inputs))
+    assert torch.equal(f1, f2) and torch.equal(z1, z2)
+
+
+# --- detector ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("multi_view", [True, False])
+def test_rcnn_train_step(multi_view):
+    model, cfg = build(multi_view=multi_view)
+    assert type(model).__name__ == "MultiViewRCNN"
+    assert (model.backbone.bottom_up.lcm is not None) == multi_view
+    model.train()
+    with EventStorage():
+        losses = model(make_inputs(2, boxes=True))
+    assert set(losses) == {"loss_cls", "loss_box_reg", "loss_rpn_cls", "loss_rpn_loc"}
+    assert all(torch.isfinite(v) for v in losses.values())
+    sum(losses.values()).backward()
+    lcm = model.backbone.bottom_up.lcm
+    if multi_view:
+        assert lcm.to_main.attn.in_proj_weight.grad is not None
+
+
+def test_rcnn_inference_original_coords():
+    model, _ = build()
+    inputs = make_inputs(2, seed=2)
+    calibrate_bn(model, inputs)
+    with torch.no_grad():
+        canon = model(inputs)  # height/width == canonical: no change of frame
+        orig_h, orig_w = 512, 192  # original grid: scale 4 in y, 3 in x
+        tfm = TransformList([ResizeTransform(orig_h, orig_w, H, W)])
+        mapped = model([dict(d, transforms=tfm, height=orig_h, width=orig_w) for d in inputs])
+    for c, m in zip(canon, mapped):
+        c, m = c["instances"], m["instances"]
+        assert len(c) > 0 and m.image_size == (orig_h, orig_w)
+        scale = torch.tensor([3.0, 4.0, 3.0, 4.0])
+        assert len(c) == len(m)
+        assert torch.allclose(m.pred_boxes.tensor, c.pred_boxes.tensor * scale, atol=1e-3)
+        assert torch.equal(m.scores, c.scores)
+
+
+def test_rcnn_inference_exam_matches_per_image():
+    model, _ = build(seed=3)
+    g = torch.Generator().manual_seed(5)
+    images = [blob_image(g) for _ in range(4)]  # L-CC, L-MLO, R-CC, R-MLO
+    pairs = [(0, 1), (1, 0), (2, 3), (3, 2)]
+    calibrate_bn(model, [{"image": images[m], "aux_image": images[a]} for m, a in pairs])
+    tfms = [TransformList([ResizeTransform(2 * H, 2 * W, H, W)]) for _ in images]
+    sizes = [(2 * H, 2 * W)] * 4
+    with torch.no_grad():
+        exam = model.inference_exam(images, pairs, transforms=tfms, sizes=sizes)
+        # the usual path: one input dict per main image (pairs are independent in eval mode)
+        single = model([
+            {"image": images[m], "aux_image": images[a], "transforms": tfms[m],
+             "height": 2 * H, "width": 2 * W}
+            for m, a in pairs
+        ])
+    assert len(exam) == 4
+    for e, s in zip(exam, single):
+        e, s = e["instances"], s["instances"]
+        assert len(e) == len(s) > 0
+        assert torch.allclose(e.scores, s.scores, atol=1e-5)
+        assert torch.allclose(e.pred_boxes.tensor, s.pred_boxes.tensor, atol=1e-3)
+    # pairs really differ (the aux view enters through the LCM)
+    assert not torch.allclose(exam[0]["instances"].scores, exam[2]["instances"].scores)
+
+
+def test_load_classifier_weights(tmp_path):
+    cls, _ = build("MVCCLClassifier", seed=4)
+    det, cfg = build(seed=5)
+    report = load_classifier_weights(det, cls.state_dict())
+    det_sd = det.state_dict()
+    expected = {k for k in det_sd if k.startswith("backbone.bottom_up.")}
+    assert set(report["loaded"]) == expected and not report["missing"]
+    assert not report["mismatched"]
+    assert any(k.startswith("bottom_up.lcm.to_aux.") for k in report["dropped"])
+    assert any(k.startswith("gcm.") for k in report["dropped"])
+    assert any(k.startswith("head.") for k in report["dropped"])
+    assert all(k.startswith(("bottom_up.lcm.to_aux.", "gcm.", "head.")) for k in report["dropped"])
+    cls_sd = cls.state_dict()
+    for k in expected:  # values (incl. BN running stats) really copied
+        assert torch.equal(det_sd[k], cls_sd[k[len("backbone."):]])
+
+    # from cfg: a detectron2-style checkpoint {"model": state_dict, ...}
+    det2, _ = build(seed=6)
+    path = tmp_path / "model_final.pth"
+    torch.save({"model": cls_sd, "iteration": 10}, path)
+    cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER = str(path)
+    rep2 = load_classifier_weights_from_cfg(det2, cfg)
+    assert set(rep2["loaded"]) == expected
+    w = "backbone.bottom_up.lcm.to_main.fuse.weight"
+    assert torch.equal(det2.state_dict()[w], cls_sd[w[len("backbone."):]])
+
+    # single-view detector: the classifier's LCM has nowhere to go, the encoder still loads
+    det_sv, _ = build(multi_view=False, seed=7)
+    rep3 = load_classifier_weights(det_sv, cls_sd)
+    assert not rep3["missing"] and any(".to_main." in k for k in rep3["dropped"])
+
+
+def test_pretrained_path_is_wired(tmp_path):
+    from braixdet.modeling.backbone import _pretrained_kwargs
+
+    assert _pretrained_kwargs("") == {"pretrained": False}
+    assert _pretrained_kwargs("imagenet") == {"pretrained": True}
+    f = tmp_path / "w.pth"
+    f.write_bytes(b"x")
+    assert _pretrained_kwargs(str(f))["pretrained_cfg_overlay"] == {"file": str(f)}
+    with pytest.raises(FileNotFoundError):
+        _pretrained_kwargs(str(tmp_path / "missing.pth"))
+
+
+def test_single_view_rcnn_ignores_aux():
+    model, _ = build(multi_view=False, seed=8)
+    inputs = make_inputs(1, seed=3)
+    calibrate_bn(model, inputs)
+    other = [dict(inputs[0], aux_image=torch.zeros(1, H, W))]
+    with torch.no_grad():
+        a, b = model(inputs)[0]["instances"], model(other)[0]["instances"]
+    assert torch.equal(a.scores, b.scores) and np.array_equal(
+        a.pred_boxes.tensor.numpy(), b.pred_boxes.tensor.numpy())
