@@ -16,12 +16,17 @@ training stages resume from their last checkpoint.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
+# lines worth showing while a stage runs: training progress, results, reports, problems
+PROGRESS = re.compile(r"eta: |copypaste: \S|Split \(|bad inputs:|wrote |Error|error:|"
+                      r"Initialised from|GradCAM fusion|Overall training speed")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def parse_args(argv=None):
@@ -70,9 +75,24 @@ class Pipeline:
         return os.path.join(self.out, stage)
 
     def run(self, name, cmd):
-        print(f"\n=== [{name}] {' '.join(cmd[1:3])} ...", flush=True)
+        """Run one stage; its full output goes to <out>/logs/<name>.log, progress to stdout."""
+        log_dir = os.path.join(self.out, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        log_path = os.path.join(log_dir, name.replace(":", "_") + ".log")
+        print(f"\n=== [{name}] {os.path.basename(cmd[1])} (full log: {log_path})", flush=True)
         t0 = time.time()
-        subprocess.run(cmd, check=True, cwd=REPO)
+        tail = []
+        with open(log_path, "w") as log, subprocess.Popen(
+                cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                bufsize=1) as proc:
+            for line in proc.stdout:
+                log.write(line)
+                tail = (tail + [line])[-60:]
+                if PROGRESS.search(line):
+                    print("   " + ANSI.sub("", line.rstrip())[-160:], flush=True)
+        if proc.returncode != 0:
+            sys.stdout.write("".join(tail))
+            raise RuntimeError(f"stage {name} failed (exit {proc.returncode}); see {log_path}")
         self.timings[name] = time.time() - t0
 
     def launch_args(self):

@@ -9,6 +9,7 @@ What we override, and why:
 * loaders / evaluators / hooks: the multi-view loaders, our evaluators, ReduceLROnPlateau.
 """
 import logging
+import os
 import time
 import weakref
 
@@ -30,7 +31,7 @@ from ..data.build import (
 from ..evaluation import build_evaluator
 from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
-from .checkpoint import AtomicCheckpointer
+from .checkpoint import AtomicCheckpointer, export_model_only
 from .hooks import ReduceLROnPlateauHook, check_finite_losses
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,6 @@ class BRAIxTrainerBase(DefaultTrainer):
 
     @classmethod
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
-        import os
-
         output_folder = output_folder or os.path.join(cfg.OUTPUT_DIR, "inference", dataset_name)
         return build_evaluator(cfg, dataset_name, output_folder)
 
@@ -244,8 +243,6 @@ class BRAIxTrainerBase(DefaultTrainer):
         results = {}
         for idx, name in enumerate(cfg.DATASETS.TEST):
             loader = cls.build_test_loader(cfg, name)
-            import os
-
             out = os.path.join(cfg.OUTPUT_DIR, "inference", prefix.strip("/") or "model", name)
             evaluator = evaluators[idx] if evaluators else cls.build_evaluator(cfg, name, out)
             res = inference_on_dataset(model, loader, evaluator)
@@ -319,7 +316,13 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
         if self.cfg.SSL.ENABLED:
             # TrainerBase.train() calls model.train() nowhere else; keep BN modes after it
             apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
-        return super().train()
+        results = super().train()
+        if self.cfg.SSL.ENABLED and comm.is_main_process():
+            # the model users deploy: the teacher alone, loadable by a plain build_model +
+            # DetectionCheckpointer (tools/predict.py, --eval-only)
+            export_model_only(self.teacher,
+                              os.path.join(self.cfg.OUTPUT_DIR, "model_final_teacher.pth"))
+        return results
 
     def _test_and_save_results(self):
         if not self.cfg.SSL.ENABLED:

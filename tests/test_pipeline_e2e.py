@@ -1,0 +1,165 @@
+"""End to end: the two-stage pipeline on tiny synthetic DICOMs, exam inference, no identifiers.
+
+One module-scoped pipeline run (tools/run_pipeline.py with the demo configs at 128x64 and a few
+iterations per stage) feeds every test here.
+"""
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNSAMPLE", "2"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def tree_digest(root):
+    """sha256 of every file path and content under root."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames.sort()
+        for name in sorted(files):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(synthetic_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    before = tree_digest(synthetic_root.root)
+    demo = os.path.join(REPO, "configs", "demo")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "run_pipeline.py"),
+           "--dataset", "cbis_ddsm", "--root", str(synthetic_root.root), "--ratio", "1/8",
+           "--out", str(out), "--baseline", "--cam-only",
+           "--mvccl-config", os.path.join(demo, "mvccl.yaml"),
+           "--det-config", os.path.join(demo, "braixdet.yaml"),
+           "--baseline-config", os.path.join(demo, "faster_rcnn.yaml"),
+           "--opts", *SIZE, "SOLVER.IMS_PER_BATCH", "2", "SOLVER.CHECKPOINT_PERIOD", "100",
+           "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "2",
+           "--mvccl-opts", "SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "0",
+           "--det-opts", "SOLVER.MAX_ITER", "3", "SSL.CAM_FUSION_ITERS", "2"]
+    log = out / "pipeline.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    return {"out": out, "log": text, "before": before, "root": synthetic_root.root,
+            "summary": synthetic_root.summary}
+
+
+def test_pipeline_produces_every_artefact(pipeline_run):
+    out = pipeline_run["out"]
+    for rel in ["mvccl/model_final.pth", "mvccl/gradcam_pseudo_boxes.json",
+                "braixdet/model_final.pth", "faster_rcnn/model_final.pth", "results.json"]:
+        assert (out / rel).exists(), rel
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert set(res) == {"CAM only (GradCAM of BRAIxMVCCL)", "Faster R-CNN (single view, D_s only)",
+                        "BRAIxDet (teacher)"}
+    for name, metrics in res.items():
+        m = metrics.get("bbox", metrics)
+        for key in ("AP20", "R@0.5"):
+            assert math.isfinite(float(m[key])), (name, key, m)
+    # evaluator artefacts: FROC curve (CSV + PNG) and COCO-style detections, per method
+    for stage in ("braixdet/eval", "faster_rcnn/eval", "cam_only"):
+        files = {f for _, _, fs in os.walk(out / stage) for f in fs}
+        assert {"froc.csv", "froc.png", "detections_coco.json", "metrics.json"} <= files, stage
+    assert "| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |" in pipeline_run["log"]
+
+
+def test_rerun_skips_finished_stages(pipeline_run):
+    """A second run of a finished pipeline trains nothing (each stage's output exists)."""
+    out = pipeline_run["out"]
+    mtime = os.path.getmtime(out / "braixdet" / "model_final.pth")
+    demo = os.path.join(REPO, "configs", "demo")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "run_pipeline.py"), "--dataset",
+           "cbis_ddsm", "--root", str(pipeline_run["root"]), "--out", str(out),
+           "--mvccl-config", os.path.join(demo, "mvccl.yaml"),
+           "--det-config", os.path.join(demo, "braixdet.yaml"), "--opts", *SIZE]
+    text = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          check=True).stdout
+    assert "[mvccl] skipped" in text and "[braixdet] skipped" in text and "[gradcam] skipped" in text
+    assert os.path.getmtime(out / "braixdet" / "model_final.pth") == mtime
+
+
+def test_dataset_folder_never_written(pipeline_run):
+    assert tree_digest(pipeline_run["root"]) == pipeline_run["before"]
+
+
+def _identifiers(summary):
+    ids = set()
+    for rec in summary["truth"]:
+        ids.update({rec["PatientName"], rec["PatientID"], rec["PatientBirthDate"]})
+        ids.add(rec["PatientName"].replace("^", " "))
+    return {i for i in ids if i}
+
+
+def test_no_patient_identifiers_in_outputs(pipeline_run):
+    """PatientName, PatientBirthDate and raw PatientID appear in no log, report, JSON or
+    checkpoint (including checkpoint metadata) of the run."""
+    needles = [s.encode() for s in _identifiers(pipeline_run["summary"])]
+    assert needles
+    hits = []
+    for dirpath, _, files in os.walk(pipeline_run["out"]):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            hits += [(path, n.decode()) for n in needles if n in data]
+    assert not hits, hits[:5]
+
+
+@pytest.fixture(scope="module")
+def predictions(pipeline_run, tmp_path_factory):
+    """tools/predict.py over the synthetic test DICOMs, with and without shared features."""
+    root, out = pipeline_run["root"], pipeline_run["out"]
+    test_dirs = sorted({os.path.join(root, r["path"]).split("/1.3.6")[0]
+                        for r in pipeline_run["summary"]["truth"] if r["split"] == "test"})
+    results = {}
+    for mode in ("shared", "per_pair"):
+        dest = tmp_path_factory.mktemp(mode)
+        cmd = [sys.executable, os.path.join(REPO, "tools", "predict.py"), "--config-file",
+               os.path.join(REPO, "configs", "demo", "braixdet.yaml"), "--weights",
+               str(out / "braixdet" / "model_final.pth"), "--input", *test_dirs[:8], "--out",
+               str(dest), "--score-thresh", "0.0", *SIZE]
+        if mode == "per_pair":
+            cmd.insert(-len(SIZE), "--no-share-features")
+        subprocess.run(cmd, cwd=REPO, env=_env(), check=True, capture_output=True)
+        results[mode] = (dest, json.loads((dest / "predictions.json").read_text()))
+    return results
+
+
+def test_predict_same_with_or_without_feature_sharing(predictions):
+    (_, shared), (_, per_pair) = predictions["shared"], predictions["per_pair"]
+    a = {r["sop_instance_uid"]: r for r in shared["images"]}
+    b = {r["sop_instance_uid"]: r for r in per_pair["images"]}
+    assert a.keys() == b.keys() and len(a) == 8
+    for uid in a:
+        da, db = a[uid]["detections"], b[uid]["detections"]
+        assert len(da) == len(db)
+        for x, y in zip(da, db):
+            assert x["score"] == pytest.approx(y["score"], abs=1e-4)
+            assert x["box_xyxy"] == pytest.approx(y["box_xyxy"], abs=0.2)
+
+
+def test_predict_output_is_identifier_free_and_in_original_pixels(predictions, pipeline_run):
+    dest, pred = predictions["shared"]
+    needles = _identifiers(pipeline_run["summary"])
+    text = (dest / "predictions.json").read_text()
+    assert not [n for n in needles if n in text]
+    for rec in pred["images"]:
+        assert rec["laterality"] in ("L", "R") and rec["view"] in ("CC", "MLO")
+        for det in rec["detections"]:
+            x0, y0, x1, y1 = det["box_xyxy"]
+            assert 0 <= x0 <= x1 <= rec["width"] and 0 <= y0 <= y1 <= rec["height"]
+    assert len(list(dest.glob("*.png"))) == len(pred["images"])
