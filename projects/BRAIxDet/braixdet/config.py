@@ -61,7 +61,7 @@ def _add_input_config(cfg):
     i.MASK_MARGIN = 0.02  # crop margin around the breast mask, fraction of the mask's box
     i.MASK_DOWNSAMPLE = 8  # mask is found on a downsampled, blurred image (speed, robustness)
     i.CACHE_DIR = ""  # "" = <OUTPUT_DIR>/../cache; never inside the dataset root
-    i.CACHE_DTYPE = "uint16"  # 16-bit PNG cache
+    i.CACHE_FORMAT = "npy"  # npy (raw uint16, fastest hits) | png (16-bit, ~3x smaller)
     i.ALLOW_FOR_PROCESSING = False  # refuse PresentationIntentType "FOR PROCESSING"
     # Augmentation (paper: no cutout / colour jitter). Probabilities and ranges.
     i.AUG = CN()

@@ -44,11 +44,11 @@ class MultiViewDatasetMapper:
     @configurable
     def __init__(self, is_train=True, *, canonical_size=(1536, 768), cache_dir, margin=0.02,
                  downsample=8, aug_enabled=True, vflip_prob=0.5, brightness=0.1, contrast=0.1,
-                 aug_seed=0, allow_for_processing=False):
+                 aug_seed=0, allow_for_processing=False, cache_format="npy"):
         self.is_train = is_train
         self.params = PreprocessParams(tuple(canonical_size), float(margin), int(downsample))
         self.cache = CanonicalCache(cache_dir, self.params,
-                                    allow_for_processing=allow_for_processing)
+                                    allow_for_processing=allow_for_processing, fmt=cache_format)
         self.augment = bool(is_train and aug_enabled)
         self.vflip_prob, self.brightness, self.contrast = vflip_prob, brightness, contrast
         self.aug_seed = int(aug_seed)
@@ -68,6 +68,7 @@ class MultiViewDatasetMapper:
             "contrast": i.AUG.CONTRAST,
             "aug_seed": cfg.SEED if cfg.SEED >= 0 else 0,
             "allow_for_processing": i.get("ALLOW_FOR_PROCESSING", False),
+            "cache_format": i.get("CACHE_FORMAT", "npy"),
         }
 
     def _rng(self, dataset_dict):

@@ -1,0 +1,468 @@
+"""Robust mammogram DICOM reading (pydicom 3): meta without pixels, and pixels as float32 [0, 1].
+
+Pipeline (DESIGN §2.1): stored values -> Modality LUT / rescale -> VOI LUT or window (first one)
+-> invert MONOCHROME1 -> PixelPaddingValue pixels -> 0 -> [0, 1]. Without any VOI, a robust
+0.5/99.5 % percentile window is used **(choice)**. Every problem with a file becomes a
+``BadInputError(path, reason, detail)`` whose message is one line; nothing else escapes.
+
+Patient identifiers never leave this module in the clear: ``DicomMeta.patient_id`` is
+``pseudonymise(PatientID)`` and no raw PatientID/PatientName/PatientBirthDate is logged.
+"""
+import hashlib
+import logging
+import os
+import re
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pydicom
+from pydicom.errors import InvalidDicomError
+from pydicom.pixels import apply_modality_lut, apply_voi_lut, get_decoder, pixel_array
+from pydicom.uid import (
+    UID,
+    ExplicitVRLittleEndian,
+    ImplicitVRLittleEndian,
+    JPEG2000TransferSyntaxes,
+)
+
+from .report import BadInputError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DicomMeta",
+    "read_dicom_meta",
+    "read_dicom_image",
+    "pseudonymise",
+    "write_dicom",
+    "ALLOWED_MODALITIES",
+]
+
+PSEUDONYM_SALT = "braixdet-v1"
+# pydicom's bundled real test files are CR/DX; full-field digital mammograms are MG.
+ALLOWED_MODALITIES = ("MG", "CR", "DX")
+MAX_SIDE = 20000  # rows / columns above this are absurd for a mammogram
+# Decompression-bomb guard: largest grid we will decode (FFDM is ~4096x3328 = 14 Mpx).
+MAX_PIXELS = 100_000_000
+# Largest plausible compression ratio for a big image (lossless mammograms are ~2-5:1).
+MAX_COMPRESSION_RATIO = 500
+_LUT_MAX_ENTRIES = 1 << 20  # stored-value range up to which the intensity pipeline is a LUT
+
+# ViewPosition strings and ViewCodeSequence codes (DICOM CID 4014; SNOMED-CT and legacy SRT)
+_VIEW_POSITIONS = {
+    "CC": "CC", "XCCL": "CC", "XCCM": "CC", "FB": None,
+    "MLO": "MLO", "ML": "MLO", "LM": "MLO", "LMO": "MLO",
+}
+_VIEW_CODES = {
+    "399162004": "CC", "R-10242": "CC",  # cranio-caudal
+    "399192008": "CC", "R-1024A": "CC",  # XCCL
+    "399101009": "CC", "R-1024B": "CC",  # XCCM
+    "399368009": "MLO", "R-10226": "MLO",  # medio-lateral oblique
+    "399260004": "MLO", "R-10224": "MLO",  # medio-lateral
+    "399352003": "MLO", "R-10228": "MLO",  # latero-medial
+    "399099002": "MLO", "R-10230": "MLO",  # latero-medial oblique
+}
+
+
+@dataclass
+class DicomMeta:
+    path: str
+    laterality: Optional[str]  # "L" | "R" | None (unknown)
+    view: Optional[str]  # "CC" | "MLO" | None (other or unknown)
+    study_uid: str
+    series_uid: str
+    sop_uid: str
+    patient_id: str  # pseudonymised ("" when the file has no PatientID)
+    modality: str
+    rows: int
+    cols: int
+    photometric: str
+    presentation_intent: str  # "FOR PRESENTATION" | "FOR PROCESSING" | ""
+    transfer_syntax: str = ""
+
+
+def pseudonymise(raw_id) -> str:
+    """Stable pseudonym of a patient id: sha256(salt + id), 16 hex chars."""
+    return hashlib.sha256((PSEUDONYM_SALT + str(raw_id)).encode("utf-8")).hexdigest()[:16]
+
+
+def _one_line(msg, limit=200):
+    msg = "".join(c if c.isprintable() else "?" for c in str(msg))
+    return re.sub(r"\s+", " ", msg).strip()[:limit]
+
+
+_IDENTIFIERS = ("PatientID", "PatientName", "PatientBirthDate", "OtherPatientIDs",
+                "OtherPatientNames", "AccessionNumber")
+
+
+def _scrubbed(err, ds):
+    """Remove identifier values a malformed header may have leaked into an error detail."""
+    detail = err.detail
+    if ds is not None and detail:
+        for k in _IDENTIFIERS:
+            try:
+                v = str(ds.get(k, "") or "").strip()
+            except Exception:  # noqa: BLE001 - the header is malformed anyway
+                continue
+            if len(v) >= 3:
+                detail = detail.replace(v, "<redacted>")
+        detail = re.sub(r"\b(19|20)\d{6}\b", "<date>", detail)  # anything that looks like a DOB
+    if detail == err.detail:
+        return err
+    return BadInputError(err.path, err.reason, detail)
+
+
+def _str(ds, keyword):
+    v = ds.get(keyword, "")
+    if v is None:
+        return ""
+    if isinstance(v, pydicom.multival.MultiValue):
+        v = v[0] if len(v) else ""
+    return str(v).strip()
+
+
+def _norm_laterality(v):
+    v = (v or "").strip().upper()
+    return v if v in ("L", "R") else None
+
+
+def _view_from_ds(ds):
+    pos = _str(ds, "ViewPosition").upper()
+    if pos:
+        return _VIEW_POSITIONS.get(pos)
+    for item in ds.get("ViewCodeSequence", None) or []:
+        code = str(item.get("CodeValue", "")).strip()
+        if code in _VIEW_CODES:
+            return _VIEW_CODES[code]
+        meaning = str(item.get("CodeMeaning", "")).lower().replace(" ", "-")
+        if "cranio-caudal" in meaning:
+            return "CC"
+        if "medio-lateral" in meaning or "latero-medial" in meaning:
+            return "MLO"
+    return None
+
+
+def _fail(path, reason, detail=""):
+    raise BadInputError(path, reason, _one_line(detail))
+
+
+def _dcmread(path, stop_before_pixels):
+    """dcmread with our error mapping; returns (dataset, list of warning messages)."""
+    if not os.path.isfile(path):
+        _fail(path, "missing_file", "no such file")
+    if os.path.getsize(path) == 0:
+        _fail(path, "not_dicom", "empty file")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            # Big values are deferred: their declared length tells truncated pixel data apart.
+            ds = pydicom.dcmread(path, stop_before_pixels=stop_before_pixels, defer_size="64 KB")
+        except InvalidDicomError:
+            # No preamble/DICM: accept only if a forced parse finds image attributes.
+            try:
+                ds = pydicom.dcmread(path, stop_before_pixels=stop_before_pixels, force=True,
+                                     defer_size="64 KB")
+            except Exception as e:  # noqa: BLE001 - anything unparsable is not DICOM
+                _fail(path, "not_dicom", f"{type(e).__name__}: {e}")
+            if not any(k in ds for k in ("SOPClassUID", "Rows", "PixelData", "Modality")):
+                _fail(path, "not_dicom", "no DICOM preamble and no image attributes")
+        except PermissionError as e:
+            _fail(path, "missing_file", f"unreadable: {e.strerror}")
+        except (EOFError, struct.error) as e:
+            _fail(path, "truncated", f"{type(e).__name__}: {e}")
+    msgs = [str(w.message) for w in caught]
+    if any("End of file reached" in m or "unexpected end" in m.lower() for m in msgs):
+        _fail(path, "truncated", "end of file reached inside an element")
+    return ds, msgs
+
+
+def _int(ds, keyword, default=None):
+    v = ds.get(keyword, default)
+    if v is None or v == "":
+        return default
+    if isinstance(v, pydicom.multival.MultiValue):
+        v = v[0]
+    return int(v)
+
+
+def _meta_from_ds(path, ds, allow_for_processing):
+    modality = _str(ds, "Modality").upper()
+    if modality and modality not in ALLOWED_MODALITIES:
+        _fail(path, "wrong_modality", f"Modality {modality[:16]!r} not in {ALLOWED_MODALITIES}")
+    intent = _str(ds, "PresentationIntentType").upper()
+    if intent == "FOR PROCESSING" and not allow_for_processing:
+        _fail(path, "for_processing", "PresentationIntentType FOR PROCESSING (raw detector data)")
+    rows, cols = _int(ds, "Rows", 0), _int(ds, "Columns", 0)
+    if not (0 < rows <= MAX_SIDE and 0 < cols <= MAX_SIDE) or rows * cols > MAX_PIXELS:
+        _fail(path, "bad_dimensions", f"Rows x Columns = {rows} x {cols}")
+    lat = _norm_laterality(_str(ds, "ImageLaterality")) or _norm_laterality(_str(ds, "Laterality"))
+    raw_pid = _str(ds, "PatientID")
+    tsyntax = ds.file_meta.get("TransferSyntaxUID", "") if hasattr(ds, "file_meta") else ""
+    return DicomMeta(
+        path=str(path),
+        laterality=lat,
+        view=_view_from_ds(ds),
+        study_uid=_str(ds, "StudyInstanceUID"),
+        series_uid=_str(ds, "SeriesInstanceUID"),
+        sop_uid=_str(ds, "SOPInstanceUID"),
+        patient_id=pseudonymise(raw_pid) if raw_pid else "",
+        modality=modality,
+        rows=rows,
+        cols=cols,
+        photometric=_str(ds, "PhotometricInterpretation").upper(),
+        presentation_intent=intent,
+        transfer_syntax=str(tsyntax),
+    )
+
+
+def read_dicom_meta(path, allow_for_processing=False) -> DicomMeta:
+    """Header-only read (no pixel data). Raises ``BadInputError`` on any problem."""
+    path = os.fspath(path)
+    ds = None
+    try:
+        ds, _ = _dcmread(path, stop_before_pixels=True)
+        return _meta_from_ds(path, ds, allow_for_processing)
+    except BadInputError as e:
+        raise _scrubbed(e, ds) from None
+    except Exception as e:  # noqa: BLE001 - malformed headers surface in many ways
+        err = BadInputError(path, "unsupported", _one_line(f"{type(e).__name__}: {e}"))
+        raise _scrubbed(err, ds) from None
+
+
+def read_dicom_image(path, allow_for_processing=False):
+    """Decode one mammogram to (float32 HxW in [0, 1], DicomMeta). Bright = dense tissue."""
+    path = os.fspath(path)
+    ds = None
+    try:
+        ds, _ = _dcmread(path, stop_before_pixels=False)
+        meta = _meta_from_ds(path, ds, allow_for_processing)
+        stored = _decode_stored(path, ds, meta)
+        img = _to_unit_range(path, ds, stored, meta.photometric)
+        return img, meta
+    except BadInputError as e:
+        raise _scrubbed(e, ds) from None
+    except MemoryError:
+        raise BadInputError(path, "bad_dimensions", "out of memory while decoding") from None
+    except Exception as e:  # noqa: BLE001 - never crash on one bad file
+        err = BadInputError(path, "unsupported", _one_line(f"{type(e).__name__}: {e}"))
+        raise _scrubbed(err, ds) from None
+
+
+def _decode_stored(path, ds, meta):
+    """Checks that must pass before any pixel allocation, then decode the stored values."""
+    if meta.photometric not in ("MONOCHROME1", "MONOCHROME2"):
+        _fail(path, "unsupported",
+              f"PhotometricInterpretation {meta.photometric[:16] or 'missing'}")
+    if _int(ds, "SamplesPerPixel", 1) != 1:
+        _fail(path, "unsupported", "SamplesPerPixel != 1")
+    frames = _int(ds, "NumberOfFrames", 1) or 1
+    if frames != 1:
+        _fail(path, "unsupported", f"multi-frame image ({frames} frames)")
+    bits = _int(ds, "BitsAllocated", 0)
+    if bits not in (8, 16):
+        _fail(path, "unsupported", f"BitsAllocated {bits}")
+    if "PixelData" not in ds:
+        other = [k for k in ("FloatPixelData", "DoubleFloatPixelData") if k in ds]
+        _fail(path, "unsupported" if other else "no_pixel_data", ", ".join(other))
+
+    if not hasattr(ds, "file_meta") or "TransferSyntaxUID" not in ds.file_meta:
+        # Forced read of a file without meta header: use the encoding it was parsed with.
+        ds.file_meta = getattr(ds, "file_meta", None) or pydicom.dataset.FileMetaDataset()
+        implicit = ds.original_encoding[0] if ds.original_encoding else True
+        ds.file_meta.TransferSyntaxUID = (
+            ImplicitVRLittleEndian if implicit else ExplicitVRLittleEndian)
+    tsyntax = UID(str(ds.file_meta.TransferSyntaxUID))
+    expected = meta.rows * meta.cols * (bits // 8)
+    raw = ds.get_item("PixelData", keep_deferred=True)
+    file_size = os.path.getsize(path)
+
+    if not tsyntax.is_transfer_syntax:
+        _fail(path, "undecodable", f"unknown transfer syntax {tsyntax}")
+    if not tsyntax.is_encapsulated:
+        declared = getattr(raw, "length", None)
+        if declared is not None and getattr(raw, "value_tell", None) is not None:
+            if raw.value_tell + declared > file_size:
+                _fail(path, "truncated", f"pixel data declares {declared} bytes, file ends "
+                                         f"after {file_size - raw.value_tell}")
+        nbytes = len(ds.PixelData)
+        if nbytes < expected:
+            _fail(path, "bad_dimensions",
+                  f"pixel data has {nbytes} bytes, {meta.rows}x{meta.cols}x{bits}bit needs "
+                  f"{expected}")
+    else:
+        try:
+            decoder = get_decoder(tsyntax)
+        except NotImplementedError:
+            decoder = None
+        if decoder is None or not decoder.is_available:
+            _fail(path, "undecodable", f"{tsyntax.name} ({tsyntax}): no decoder installed")
+        nbytes = len(ds.PixelData)
+        if expected > (64 << 20) and expected > MAX_COMPRESSION_RATIO * nbytes:
+            _fail(path, "bad_dimensions", f"{meta.rows}x{meta.cols} from {nbytes} compressed "
+                                          "bytes (decompression bomb?)")
+        if tsyntax in JPEG2000TransferSyntaxes:
+            _check_j2k_size(path, ds.PixelData, meta.rows, meta.cols)
+
+    plugin = ""
+    if tsyntax.is_encapsulated and "pylibjpeg" in get_decoder(tsyntax).available_plugins:
+        plugin = "pylibjpeg"  # openjpeg: exact for 15/16-bit lossless J2K
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            arr = pixel_array(ds, decoding_plugin=plugin) if plugin else ds.pixel_array
+        except (EOFError, struct.error) as e:
+            _fail(path, "truncated", f"{type(e).__name__}: {e}")
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - codec errors have many types
+            reason = "undecodable" if tsyntax.is_encapsulated else "unsupported"
+            _fail(path, reason, f"{tsyntax.name}: {type(e).__name__}: {e}")
+    if any("End of file" in str(w.message) for w in caught):
+        _fail(path, "truncated", "end of file inside pixel data")
+    if arr.shape != (meta.rows, meta.cols):
+        _fail(path, "bad_dimensions", f"decoded shape {arr.shape} != ({meta.rows}, {meta.cols})")
+    if not np.issubdtype(arr.dtype, np.integer):
+        _fail(path, "unsupported", f"non-integer pixel data {arr.dtype}")
+    return arr
+
+
+def _check_j2k_size(path, pixel_data, rows, cols):
+    """The J2K SIZ marker must agree with Rows/Columns (the codec allocates by SIZ)."""
+    head = bytes(pixel_data[:4096])
+    i = head.find(b"\xff\x4f\xff\x51")  # SOC + SIZ
+    if i < 0 or i + 26 > len(head):
+        return  # let the decoder judge
+    xsiz, ysiz, xo, yo = struct.unpack(">IIII", head[i + 8:i + 24])
+    if (xsiz - xo, ysiz - yo) != (cols, rows):
+        _fail(path, "bad_dimensions",
+              f"JPEG 2000 codestream is {xsiz - xo}x{ysiz - yo}, header says {cols}x{rows}")
+
+
+def _padding_mask_values(ds, lo, hi):
+    """Stored values (as indices into [lo, hi]) that are PixelPaddingValue (or its range)."""
+    pad = ds.get("PixelPaddingValue", None)
+    if pad is None or isinstance(pad, (bytes, bytearray)):
+        return None
+    pad = int(pad[0] if isinstance(pad, pydicom.multival.MultiValue) else pad)
+    limit = ds.get("PixelPaddingRangeLimit", None)
+    limit = pad if limit is None or isinstance(limit, (bytes, bytearray)) else int(limit)
+    a, b = min(pad, limit), max(pad, limit)
+    a, b = max(a, lo), min(b, hi)
+    if a > b:
+        return None
+    return np.arange(a - lo, b - lo + 1)
+
+
+def _voi_output_range(ds):
+    """(low, high) output values of the VOI stage, to map it to [0, 1]."""
+    seq = ds.get("VOILUTSequence", None)
+    if seq and seq[0].get("LUTDescriptor") is not None and seq[0].get("LUTData") is not None:
+        lut = np.asarray(seq[0].LUTData, dtype=np.float64).ravel()
+        return float(lut.min()), float(lut.max())
+    # Window: probe the same function far outside the window -> its saturation values.
+    with np.errstate(over="ignore"):
+        probe = apply_voi_lut(np.array([-1e12, 1e12]), ds)
+    return float(probe[0]), float(probe[1])
+
+
+def _has_voi(ds):
+    seq = ds.get("VOILUTSequence", None)
+    if seq and seq[0].get("LUTDescriptor") is not None and seq[0].get("LUTData") is not None:
+        return True
+    return ds.get("WindowCenter", None) is not None and ds.get("WindowWidth", None) is not None
+
+
+def _to_unit_range(path, ds, stored, photometric):
+    """Intensity pipeline as a lookup table over the stored-value range (fast, exact)."""
+    lo, hi = int(stored.min()), int(stored.max())
+    if hi - lo + 1 > _LUT_MAX_ENTRIES:
+        _fail(path, "unsupported", f"stored value range {lo}..{hi} too wide")
+    values = np.arange(lo, hi + 1, dtype=np.int64)
+    idx = stored.astype(np.int32) - lo if lo else stored
+    pad_idx = _padding_mask_values(ds, lo, hi)
+
+    modality = np.asarray(apply_modality_lut(values, ds), dtype=np.float64)
+    lut = None
+    if _has_voi(ds):
+        # A VOI LUT indexes by value: give it integers when the modality output is integral.
+        voi_in = modality.astype(np.int64) if np.all(modality == np.rint(modality)) else modality
+        try:
+            voi = np.asarray(apply_voi_lut(voi_in, ds, index=0), dtype=np.float64)
+            y0, y1 = _voi_output_range(ds)
+            if y1 != y0 and np.isfinite([y0, y1]).all():
+                lut = (voi - y0) / (y1 - y0)
+        except (ValueError, IndexError, TypeError, AttributeError) as e:
+            # Invalid window (e.g. width 0): fall back to the percentile window, keep going.
+            logger.warning("%s: invalid VOI (%s); using percentile scaling", path, _one_line(e))
+    if lut is None:
+        counts = np.bincount(idx.ravel(), minlength=values.size).astype(np.float64)
+        if pad_idx is not None:
+            counts[pad_idx] = 0
+        order = np.argsort(modality, kind="stable")
+        cdf = np.cumsum(counts[order])
+        if cdf[-1] > 0:
+            p0 = modality[order][np.searchsorted(cdf, 0.005 * cdf[-1])]
+            p1 = modality[order][min(np.searchsorted(cdf, 0.995 * cdf[-1]), values.size - 1)]
+        else:
+            p0, p1 = modality.min(), modality.max()
+        lut = (modality - p0) / max(p1 - p0, 1e-12)
+    lut = np.clip(lut, 0.0, 1.0)
+    if photometric == "MONOCHROME1":  # low values are bright: invert so tissue is bright
+        lut = 1.0 - lut
+    if pad_idx is not None:
+        lut[pad_idx] = 0.0
+    return lut.astype(np.float32)[idx]
+
+
+def write_dicom(path, pixels, *, photometric="MONOCHROME2", bits_stored=None,
+                transfer_syntax=ExplicitVRLittleEndian, **attrs):
+    """Write a small valid mammogram DICOM (tests, benchmarks, synthetic data).
+
+    ``pixels``: uint8/uint16 HxW stored values. ``attrs``: DICOM keywords (e.g. Modality="MG",
+    ImageLaterality="L", ViewPosition="CC", WindowCenter=..., PatientID=...); ``None`` deletes.
+    A compressed ``transfer_syntax`` (e.g. JPEG2000Lossless) is encoded with pydicom's encoders.
+    """
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import generate_uid
+
+    pixels = np.ascontiguousarray(pixels)
+    if pixels.dtype not in (np.uint8, np.uint16, np.int16):
+        raise ValueError(f"pixels must be uint8/uint16/int16, got {pixels.dtype}")
+    bits = pixels.dtype.itemsize * 8
+    sop_class = "1.2.840.10008.5.1.4.1.1.1.2"  # Digital Mammography X-Ray Image - Presentation
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = sop_class
+    ds.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+    ds.SOPClassUID = sop_class
+    ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID
+    ds.StudyInstanceUID = generate_uid()
+    ds.SeriesInstanceUID = generate_uid()
+    ds.Modality = "MG"
+    ds.PatientID = "SYNTHETIC"
+    ds.PresentationIntentType = "FOR PRESENTATION"
+    ds.Rows, ds.Columns = pixels.shape
+    ds.SamplesPerPixel = 1
+    ds.PhotometricInterpretation = photometric
+    ds.BitsAllocated = bits
+    ds.BitsStored = bits_stored or bits
+    ds.HighBit = ds.BitsStored - 1
+    ds.PixelRepresentation = 1 if pixels.dtype == np.int16 else 0
+    ds.PixelData = pixels.tobytes()
+    for k, v in attrs.items():
+        if v is None:
+            if k in ds:
+                delattr(ds, k)
+        else:
+            setattr(ds, k, v)
+    tsyntax = UID(str(transfer_syntax))
+    if tsyntax.is_compressed:
+        ds.compress(tsyntax)
+    else:
+        ds.file_meta.TransferSyntaxUID = tsyntax
+    ds.save_as(os.fspath(path), enforce_file_format=True)
+    return os.fspath(path)
