@@ -25,7 +25,7 @@ import run_pipeline  # noqa: E402
 
 DEMO = {  # (patients, rows, cols) of the synthetic set; iterations per stage
     "full": dict(patients=48, rows=512, cols=320, mvccl_iters=240, det_iters=360, size=(256, 128)),
-    "quick": dict(patients=20, rows=256, cols=160, mvccl_iters=20, det_iters=24, size=(128, 64)),
+    "quick": dict(patients=20, rows=256, cols=160, mvccl_iters=12, det_iters=12, size=(128, 64)),
 }
 
 
@@ -60,12 +60,12 @@ def draw_overlays(out_dir, det_dir, root, n=4):
     from braixdet.data.dicom import read_dicom_image
     from braixdet.evaluation.overlay import draw_overlay
 
-    det_file = None
-    for dirpath, _, files in os.walk(det_dir):
-        if "detections_coco.json" in files:
-            det_file = os.path.join(dirpath, "detections_coco.json")
-    if det_file is None:
+    found = sorted(os.path.join(d, "detections_coco.json") for d, _, files in os.walk(det_dir)
+                   if "detections_coco.json" in files)
+    teacher = [f for f in found if f"{os.sep}student{os.sep}" not in f]  # not student/ metrics
+    if not teacher:
         return []
+    det_file = teacher[0]
     dets = json.load(open(det_file))
     from detectron2.data import DatasetCatalog
 
@@ -104,15 +104,15 @@ def main(argv=None):
         "--baseline-config", os.path.join(demo_cfg, "faster_rcnn.yaml"),
         "--opts", *size,
         "--mvccl-opts", "SOLVER.MAX_ITER", str(spec["mvccl_iters"]),
-        "--det-opts", "SOLVER.MAX_ITER", str(spec["det_iters"])])
+        "--det-opts", "SOLVER.MAX_ITER", str(spec["det_iters"]),
+        *(["TEST.BRAIXDET.EVAL_STUDENT", "False"] if args.quick else [])])
     summary = run_pipeline.Pipeline(pipe_args).run_all()
 
     from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
     cfg = build_cfg(os.path.join(demo_cfg, "braixdet.yaml"), pipe_args_to_opts(pipe_args))
     register_and_assign_datasets(cfg)
-    overlays = draw_overlays(os.path.join(out, "overlays"), os.path.join(out, "braixdet", "eval"),
-                             root)
+    overlays = draw_overlays(os.path.join(out, "overlays"), os.path.join(out, "braixdet"), root)
     table = run_pipeline.format_table(summary["results"])
     minutes = (time.time() - t0) / 60
     report = (f"# BRAIxDet demo ({'quick' if args.quick else 'full'})\n\n"

@@ -113,6 +113,11 @@ class Pipeline:
         return final
 
     def evaluate(self, name, config, weights, opts):
+        """Test metrics of a stage: those of its end-of-training evaluation (the teacher for
+        SSL) when present, else a fresh ``--eval-only`` run."""
+        trained = os.path.join(self.dir(name), "inference", "model", self.test_name())
+        if os.path.exists(os.path.join(trained, "metrics.json")):
+            return read_metrics(trained)
         out = os.path.join(self.dir(name), "eval")
         self.run(f"{name}:evaluate", [
             self.python, os.path.join(TOOLS, "train_net.py"), "--config-file", config,
