@@ -87,8 +87,9 @@ class BRAIxStepTrainer(SimpleTrainer):
 
     def run_step(self):
         assert self.model.training, "[BRAIxStepTrainer] model was changed to eval mode!"
-        seed_iteration(self.seed, self.iter)
         data, data_time = self.next_batch(self._data_loader_iter)
+        # after the batch: a (lazily) started DataLoader draws its base seed from torch's RNG
+        seed_iteration(self.seed, self.iter)
         self.optimize(self.model(data), data_time)
 
 
@@ -111,9 +112,9 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
 
     def run_step(self):
         assert self.model.training, "[StudentTeacherStepTrainer] model was changed to eval mode!"
-        seed_iteration(self.seed, self.iter)
         full, t_full = self.next_batch(self._data_loader_iter)
         weak, t_weak = self.next_batch(self._weak_iter)
+        seed_iteration(self.seed, self.iter)  # after the batches (see BRAIxStepTrainer)
 
         with torch.no_grad():  # the teacher labels the weak batch in canonical coordinates
             teacher_out = self.teacher.inference(weak, do_postprocess=False)
@@ -210,6 +211,19 @@ class BRAIxTrainerBase(DefaultTrainer):
     def build_evaluator(cls, cfg, dataset_name, output_folder=None):
         output_folder = output_folder or os.path.join(cfg.OUTPUT_DIR, "inference", dataset_name)
         return build_evaluator(cfg, dataset_name, output_folder)
+
+    # -- checkpointed state --------------------------------------------------------------------
+    # detectron2 0.6's DefaultTrainer checkpoints only the iteration and the hooks: without the
+    # step trainer's state the optimizer (Adam moments, lr) would restart on resume.
+    def state_dict(self):
+        ret = super().state_dict()
+        ret["_trainer"] = self._trainer.state_dict()
+        return ret
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        if "_trainer" in state_dict:
+            self._trainer.load_state_dict(state_dict["_trainer"])
 
     # -- loop ---------------------------------------------------------------------------------
     def resume_or_load(self, resume=True):

@@ -1,0 +1,264 @@
+"""Both training stages end to end on the tiny synthetic dataset (128x64, batch 2, <= 6 iters).
+
+Stage 1 (BRAIxMVCCL) runs through tools/train_net.py; stage 2 (student-teacher BRAIxDet) and
+the supervised baseline run in-process (build_cfg -> register -> Trainer), which is faster.
+"""
+import math
+import os
+import types
+
+import pytest
+import torch
+from _train_helpers import (
+    assert_state_equal,
+    build_trainer,
+    classification_metrics,
+    load_ckpt,
+    run_train_net,
+    tiny_opts,
+    weak_cam_json,
+)
+from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.engine.train_loop import HookBase
+from detectron2.modeling import build_model
+
+from braixdet.data.build import build_multiview_test_loader
+from braixdet.engine.checkpoint import export_model_only
+from braixdet.ssl.ema import unwrap
+
+N_ITER = 6  # straight runs; resumed runs stop after 3 and continue to 6
+HALF = 3
+CAM_ITERS = 3  # GradCAM fusion during iterations 0..2, the teacher alone afterwards
+ALPHA = 0.5  # SSL.EMA_ALPHA of tiny_opts
+S1_TEST = ("cbis_ddsm_train_all_s0", "cbis_ddsm_test")  # train_all has both labels: finite AUC
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the machine is shared by several people: one intra-op thread is much faster than 2
+    # oversubscribed ones, and gives the same arithmetic as the OMP_NUM_THREADS=1 subprocesses
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, synthetic_root):
+    d = tmp_path_factory.mktemp("train_stages")
+    return types.SimpleNamespace(root=synthetic_root.root, dir=d, cache=d / "cache",
+                                 splits=str(d / "splits"))
+
+
+def _opts(work, out, stage, **kw):
+    extra = ["DATASETS.BRAIXDET.SPLIT_DIR", work.splits, *kw.pop("extra", ())]
+    return tiny_opts(work.root, out, work.cache, stage=stage, extra=extra, **kw)
+
+
+class StopAfter(HookBase):
+    """Simulates an interruption right after iteration ``it`` (after its checkpoint)."""
+
+    def __init__(self, it):
+        self.it = it
+
+    def after_step(self):
+        if self.trainer.iter == self.it:
+            raise KeyboardInterrupt(f"stop after iteration {self.it}")
+
+
+def _interrupted_then_resumed(stage, opts):
+    """HALF iterations of an N_ITER run, interruption, then a fresh trainer with resume."""
+    t = build_trainer(stage, opts)
+    t.register_hooks([StopAfter(HALF - 1)])
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    out = t.cfg.OUTPUT_DIR
+    with open(os.path.join(out, "last_checkpoint")) as f:
+        assert f.read().strip() == f"model_{HALF - 1:07d}.pth"
+    assert not os.path.exists(os.path.join(out, "model_final.pth"))
+    del t
+    t = build_trainer(stage, opts, resume=True)
+    assert t.start_iter == HALF
+    t.train()
+    return t
+
+
+# ------------------------------------------------------------------------------ stage 1
+@pytest.fixture(scope="module")
+def stage1(work):
+    """tools/train_net.py on BRAIxMVCCL: N_ITER iterations, final evaluation on S1_TEST."""
+    out = work.dir / "mvccl"
+    opts = _opts(work, out, "mvccl", max_iter=N_ITER, ckpt_period=HALF,
+                 extra=["DATASETS.TEST", repr(S1_TEST)])
+    run_train_net("mvccl", opts)
+    return types.SimpleNamespace(out=out, opts=opts, ckpt=out / "model_final.pth")
+
+
+def test_stage1_train_then_eval_only_reproduces_metrics(work, stage1):
+    assert stage1.ckpt.is_file()
+    ckpt = load_ckpt(stage1.ckpt)
+    assert ckpt["iteration"] == N_ITER - 1
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+    eval_out = work.dir / "mvccl_eval"
+    opts = _opts(work, eval_out, "mvccl", extra=["DATASETS.TEST", repr(S1_TEST),
+                                                 "MODEL.WEIGHTS", str(stage1.ckpt)])
+    run_train_net("mvccl", opts, "--eval-only")
+    for name in S1_TEST:
+        trained = classification_metrics(stage1.out, name)
+        again = classification_metrics(eval_out, name)
+        assert trained["num_images"] == again["num_images"] > 0
+        for key in ("AUC", "BCE", "ACC"):
+            a, b = trained["classification"][key], again["classification"][key]
+            if a is None:  # AUC of a single-class set (written as null)
+                assert b is None, (name, key, b)
+                continue
+            assert b is not None and abs(a - b) <= 1e-6, (name, key, a, b)
+    assert trained["classification"]["BCE"] is not None
+    auc = classification_metrics(stage1.out, S1_TEST[0])["classification"]["AUC"]
+    assert auc is not None and 0.0 <= auc <= 1.0  # both classes present in train_all
+
+
+def test_stage1_exact_resume(work, stage1):
+    """3 + resume + 3 in this process == 6 straight in the train_net.py subprocess."""
+    opts = _opts(work, work.dir / "mvccl_resumed", "mvccl", max_iter=N_ITER, ckpt_period=HALF,
+                 extra=["DATASETS.TEST", repr(S1_TEST[:1])])
+    t = _interrupted_then_resumed("mvccl", opts)
+    resumed = load_ckpt(os.path.join(t.cfg.OUTPUT_DIR, "model_final.pth"))
+    straight = load_ckpt(stage1.ckpt)
+    assert_state_equal(straight["model"], resumed["model"], "stage-1 weights")
+    assert_state_equal(straight["model"], unwrap(t.model).state_dict(), "stage-1 in memory")
+
+
+# ------------------------------------------------------------------------------ stage 2
+class Recorder(HookBase):
+    """Per-iteration SSL scalars, and the teacher/student weights around the last step."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def before_step(self):
+        if self.trainer.iter == self.trainer.max_iter - 1:
+            self.teacher_before = _float_params(self.trainer.teacher)
+
+    def after_step(self):
+        st = self.trainer.storage
+        self.scalars[self.trainer.iter] = {
+            k: h.latest() for k, h in st.histories().items()
+            if k.startswith(("weak_", "ssl/")) and st.latest()[k][1] == self.trainer.iter}
+
+
+def _float_params(model):
+    return {k: v.detach().clone() for k, v in unwrap(model).named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def ssl_run(work, stage1):
+    """BRAIxDet SSL in-process: N_ITER iterations from the stage-1 checkpoint, with a
+    hand-written CAM JSON and CAM fusion during the first CAM_ITERS iterations."""
+    from _train_helpers import CONFIGS
+
+    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+
+    cam = work.dir / "cam.json"
+    probe = build_cfg(CONFIGS["braixdet"], _opts(work, work.dir / "probe", "braixdet"))
+    register_and_assign_datasets(probe)
+    weak_cam_json(cam, probe.DATASETS.TRAIN_WEAK[0])
+
+    opts = _opts(work, work.dir / "ssl", "braixdet", max_iter=N_ITER, ckpt_period=HALF,
+                 init_from=stage1.ckpt, cam_json=cam, cam_iters=CAM_ITERS,
+                 extra=["TEST.BRAIXDET.EVAL_STUDENT", "False"])
+    t = build_trainer("braixdet", opts)
+    init = {"teacher": {k: v.clone() for k, v in t.teacher.state_dict().items()},
+            "student": {k: v.clone() for k, v in unwrap(t.model).state_dict().items()}}
+    rec = Recorder()
+    t.register_hooks([rec])
+    t.train()
+    return types.SimpleNamespace(trainer=t, rec=rec, init=init, opts=opts, cam=cam)
+
+
+def test_stage2_init_from_classifier(ssl_run, stage1):
+    cls = load_ckpt(stage1.ckpt)["model"]
+    enc = [k for k in cls if k.startswith("bottom_up.encoder.") and cls[k].is_floating_point()]
+    assert enc
+    for k in enc:
+        assert torch.equal(ssl_run.init["student"]["backbone." + k], cls[k]), k
+    assert_state_equal(ssl_run.init["student"], ssl_run.init["teacher"], "teacher at start")
+
+
+def test_stage2_ssl_weak_losses_and_cam_phase(ssl_run):
+    rec = ssl_run.rec.scalars
+    assert sorted(rec) == list(range(N_ITER))
+    for it, scalars in rec.items():
+        weak = {k: v for k, v in scalars.items() if k.startswith("weak_loss_")}
+        assert {"weak_loss_cls", "weak_loss_box_reg", "weak_loss_rpn_cls"} <= set(weak), it
+        assert all(math.isfinite(v) for v in weak.values()), (it, weak)
+        assert scalars["ssl/weak_images_with_targets"] > 0, it
+        assert scalars["ssl/cam_fusion"] == float(it < CAM_ITERS), (it, scalars)
+
+
+def test_stage2_teacher_is_ema_of_student(ssl_run):
+    t = ssl_run.trainer
+    teacher, student = unwrap(t.teacher), unwrap(t.model)
+    before = ssl_run.rec.teacher_before
+    n_changed = 0
+    for k, p in teacher.named_parameters():
+        s = dict(student.named_parameters())[k].detach()
+        # θ_t ← α θ_t + (1 − α) θ_s after the last optimizer step
+        torch.testing.assert_close(p, ALPHA * before[k] + (1 - ALPHA) * s, rtol=0, atol=1e-6)
+        n_changed += not torch.equal(p, ssl_run.init["teacher"][k])
+    params = dict(teacher.named_parameters())
+    assert n_changed > len(params) // 2, "the teacher barely moved from its initialisation"
+    assert any(not torch.equal(params[k], v.detach()) for k, v in student.named_parameters())
+
+
+def test_stage2_ssl_exact_resume(work, ssl_run):
+    """Student AND teacher identical after 6 straight vs 3 + resume + 3 iterations."""
+    opts = list(ssl_run.opts)
+    opts[opts.index("OUTPUT_DIR") + 1] = str(work.dir / "ssl_resumed")
+    t = _interrupted_then_resumed("braixdet", opts)
+    resumed = load_ckpt(os.path.join(t.cfg.OUTPUT_DIR, "model_final.pth"))
+    straight = load_ckpt(os.path.join(ssl_run.trainer.cfg.OUTPUT_DIR, "model_final.pth"))
+    assert_state_equal(straight["model"], resumed["model"], "student")
+    assert_state_equal(straight["teacher"], resumed["teacher"], "teacher")
+    assert_state_equal(ssl_run.trainer.teacher.state_dict(), t.teacher.state_dict(),
+                       "teacher in memory")
+
+
+def test_teacher_only_export_loads_into_plain_model(work, ssl_run):
+    t = ssl_run.trainer
+    path = export_model_only(t.teacher, str(work.dir / "teacher_only.pth"))
+    assert set(load_ckpt(path)) == {"model"}
+    plain = build_model(t.cfg)  # detectron2's builder: no classifier init, no teacher wrapper
+    DetectionCheckpointer(plain).load(path)
+    plain.eval()
+    teacher = unwrap(t.teacher).eval()
+    loader = build_multiview_test_loader(t.cfg, t.cfg.DATASETS.TEST[0])
+    images, dets = 0, 0
+    with torch.no_grad():
+        for batch in loader:  # a few test images (batch 1), boxes in original pixels
+            a, b = teacher(batch)[0]["instances"], plain(batch)[0]["instances"]
+            assert torch.equal(a.pred_boxes.tensor, b.pred_boxes.tensor)
+            assert torch.equal(a.scores, b.scores)
+            images, dets = images + 1, dets + len(a)
+            if images == 3:
+                break
+    assert images == 3 and dets > 0, (images, dets)
+
+
+# ------------------------------------------------------------------------------ baseline
+def test_supervised_single_view_baseline(work):
+    opts = _opts(work, work.dir / "frcnn", "faster_rcnn", max_iter=3)
+    t = build_trainer("faster_rcnn", opts)
+    assert not t.cfg.MODEL.BRAIXDET.MULTI_VIEW and not t.cfg.SSL.ENABLED
+    losses = {}
+
+    class Losses(HookBase):
+        def after_step(self):
+            losses[self.trainer.iter] = self.trainer.storage.history("total_loss").latest()
+
+    t.register_hooks([Losses()])
+    t.train()
+    assert sorted(losses) == [0, 1, 2]
+    assert all(math.isfinite(v) and v > 0 for v in losses.values()), losses
+    assert os.path.isfile(os.path.join(t.cfg.OUTPUT_DIR, "model_final.pth"))
