@@ -9,6 +9,7 @@ SETUP_INPUTS := requirements.txt setup.cfg pyproject.toml tools/install_detectro
                 tools/patches/detectron2-0.6-backports.patch
 OUT ?= out
 QUICK ?=
+RESUME ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint bench clean-venv
@@ -26,7 +27,7 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) tools/run_demo.py --out $(OUT) $(if $(QUICK),--quick,)
+	$(PY) tools/run_demo.py --out $(OUT) $(if $(QUICK),--quick,) $(if $(RESUME),--resume,)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -137,24 +137,26 @@ def _mammo_dicom(path, side="left", seed=0):
                        ImageLaterality="L" if side == "left" else "R")
 
 
-def test_cache_computes_once_and_never_writes_beside_input(tmp_path):
+@pytest.mark.parametrize("fmt", ["npy", "png"])
+def test_cache_computes_once_and_never_writes_beside_input(tmp_path, fmt):
     from braixdet.data.cache import CanonicalCache
     from braixdet.data.dicom import read_dicom_image
 
     data = tmp_path / "data"
     data.mkdir()
     p = _mammo_dicom(data / "a.dcm", "right")
-    cache = CanonicalCache(tmp_path / "cache", PARAMS)
+    cache = CanonicalCache(tmp_path / "cache", PARAMS, fmt=fmt)
     img, tfm = cache.get(p, "R")
     assert img.shape == (128, 64) and img.dtype == np.float32 and tfm.transforms
     assert sorted(os.listdir(data)) == ["a.dcm"]
     stem = cache.entry_path(p, "R")
-    assert os.path.exists(stem + ".png") and os.path.exists(stem + ".json")
+    ext = "." + fmt
+    assert os.path.exists(stem + ext) and os.path.exists(stem + ".json")
     assert PARAMS.key() in stem and not [f for f in os.listdir(os.path.dirname(stem))
                                          if f.startswith(".tmp")]
-    mtime = os.path.getmtime(stem + ".png")
+    mtime = os.path.getmtime(stem + ext)
     img2, tfm2 = cache.get(p, "R")  # hit: bit-identical, nothing rewritten
-    assert np.array_equal(img, img2) and os.path.getmtime(stem + ".png") == mtime
+    assert np.array_equal(img, img2) and os.path.getmtime(stem + ext) == mtime
     assert transform_to_dict(tfm) == transform_to_dict(tfm2)
     # equals a fresh computation up to 16-bit quantisation
     ref, _, _ = canonicalize(read_dicom_image(p)[0], "R", PARAMS)

@@ -34,7 +34,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="out")
     ap.add_argument("--quick", action="store_true", help="tiny run (about 3 minutes)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fresh", action="store_true", help="delete previous demo outputs first")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep previous outputs: finished stages are skipped, interrupted "
+                         "training resumes (default: recompute everything but the data)")
     return ap.parse_args(argv)
 
 
@@ -89,7 +91,7 @@ def main(argv=None):
     t0 = time.time()
     spec = DEMO["quick" if args.quick else "full"]
     out = os.path.abspath(os.path.join(args.out, "demo_quick" if args.quick else "demo"))
-    if args.fresh:
+    if not args.resume:
         shutil.rmtree(out, ignore_errors=True)
     root = os.path.join(os.path.abspath(args.out), "data_quick" if args.quick else "data")
     make_data(root, spec, args.seed)
@@ -102,7 +104,8 @@ def main(argv=None):
         "--mvccl-config", os.path.join(demo_cfg, "mvccl.yaml"),
         "--det-config", os.path.join(demo_cfg, "braixdet.yaml"),
         "--baseline-config", os.path.join(demo_cfg, "faster_rcnn.yaml"),
-        "--opts", *size,
+        "--opts", *size, "INPUT.BRAIXDET.CACHE_DIR",
+        os.path.join(os.path.abspath(args.out), "cache"),  # survives re-runs (keyed by params)
         "--mvccl-opts", "SOLVER.MAX_ITER", str(spec["mvccl_iters"]),
         "--det-opts", "SOLVER.MAX_ITER", str(spec["det_iters"]),
         *(["TEST.BRAIXDET.EVAL_STUDENT", "False"] if args.quick else [])])
