@@ -65,7 +65,7 @@ def test_pipeline_produces_every_artefact(pipeline_run):
         assert (out / rel).exists(), rel
     res = json.loads((out / "results.json").read_text())["results"]
     assert set(res) == {"CAM only (GradCAM of BRAIxMVCCL)", "Faster R-CNN (single view, D_s only)",
-                        "BRAIxDet (teacher)"}
+                        "BRAIxDet (teacher)", "BRAIxDet (student)"}
     for name, metrics in res.items():
         m = metrics.get("bbox", metrics)
         for key in ("AP20", "R@0.5"):

@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 import run_pipeline  # noqa: E402
 
 DEMO = {  # (patients, rows, cols) of the synthetic set; iterations per stage
-    "full": dict(patients=48, rows=512, cols=320, mvccl_iters=240, det_iters=360, size=(256, 128)),
-    "quick": dict(patients=20, rows=256, cols=160, mvccl_iters=12, det_iters=12, size=(128, 64)),
+    "full": dict(patients=48, rows=512, cols=320, mvccl_iters=150, det_iters=240, size=(256, 128)),
+    "quick": dict(patients=20, rows=256, cols=160, mvccl_iters=30, det_iters=30, size=(128, 64)),
 }
 
 

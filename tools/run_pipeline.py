@@ -27,6 +27,7 @@ TOOLS = os.path.join(REPO, "tools")
 PROGRESS = re.compile(r"eta: |copypaste: \S|Split \(|bad inputs:|wrote |Error|error:|"
                       r"Initialised from|GradCAM fusion|Overall training speed")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LOG_PREFIX = re.compile(r"^\[\d+/\d+ [\d:]+ [\w.]+\]:\s*")  # detectron2's "[date name]: "
 
 
 def parse_args(argv=None):
@@ -89,7 +90,8 @@ class Pipeline:
                 log.write(line)
                 tail = (tail + [line])[-60:]
                 if PROGRESS.search(line):
-                    print("   " + ANSI.sub("", line.rstrip())[-160:], flush=True)
+                    shown = LOG_PREFIX.sub("", ANSI.sub("", line.rstrip()))
+                    print("   " + shown[:170], flush=True)
         if proc.returncode != 0:
             sys.stdout.write("".join(tail))
             raise RuntimeError(f"stage {name} failed (exit {proc.returncode}); see {log_path}")
@@ -164,6 +166,9 @@ class Pipeline:
                     *a.det_opts]
         det = self.train("braixdet", a.det_config, det_opts)
         results["BRAIxDet (teacher)"] = self.evaluate("braixdet", a.det_config, det, a.det_opts)
+        student = os.path.join(self.dir("braixdet"), "inference", "student", self.test_name())
+        if os.path.exists(os.path.join(student, "metrics.json")):
+            results["BRAIxDet (student)"] = read_metrics(student)
         summary = {"results": results, "timings_s": self.timings,
                    "protocol": {"dataset": a.dataset, "protocol": a.protocol, "ratio": a.ratio,
                                 "seed": a.seed}}
