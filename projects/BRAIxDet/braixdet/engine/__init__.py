@@ -1,3 +1,3 @@
-from .trainers import BRAIxDetTrainer, MVCCLTrainer, build_trainer, trainer_class
+from .trainers import BRAIxDetTrainer, MVCCLTrainer, trainer_class
 
-__all__ = ["BRAIxDetTrainer", "MVCCLTrainer", "build_trainer", "trainer_class"]
+__all__ = ["BRAIxDetTrainer", "MVCCLTrainer", "trainer_class"]

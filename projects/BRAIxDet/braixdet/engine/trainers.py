@@ -391,15 +391,9 @@ def load_cam_lookup(cfg):
     return {k: v for k, v in data.get("images", data).items()}
 
 
-def build_trainer(cfg):
-    """Pick the trainer from the meta-architecture."""
-    if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
-        return MVCCLTrainer(cfg)
-    return BRAIxDetTrainer(cfg)
-
-
 def trainer_class(cfg):
+    """The trainer for the config's meta-architecture (classifier: stage 1; else stage 2)."""
     return MVCCLTrainer if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier" else BRAIxDetTrainer
 
 
-__all__ = ["MVCCLTrainer", "BRAIxDetTrainer", "build_trainer", "trainer_class"]
+__all__ = ["MVCCLTrainer", "BRAIxDetTrainer", "trainer_class"]
