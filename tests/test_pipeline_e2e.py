@@ -3,7 +3,6 @@
 One module-scoped pipeline run (tools/run_pipeline.py with the demo configs at 128x64 and a few
 iterations per stage) feeds every test here.
 """
-import hashlib
 import json
 import math
 import os
@@ -11,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _train_helpers import tree_digest  # shared with test_reliability
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNSAMPLE", "2"]
@@ -19,19 +19,6 @@ SIZE = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNS
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
-
-
-def tree_digest(root):
-    """sha256 of every file path and content under root."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-        dirnames.sort()
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            h.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,7 @@ class ExamPredictor:
         self.model = build_model(cfg)
         load_inference_weights(self.model, weights)
         self.model.eval()
-        self.params = PreprocessParams(canonical_size=tuple(cfg.INPUT.BRAIXDET.CANONICAL_SIZE),
-                                       margin=cfg.INPUT.BRAIXDET.MASK_MARGIN,
-                                       downsample=cfg.INPUT.BRAIXDET.MASK_DOWNSAMPLE)
+        self.params = PreprocessParams.from_cfg(cfg)
         self.share_features = share_features
         self.allow_fp = cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING
 

@@ -57,7 +57,7 @@ def make_data(root, spec, seed):
         json.dump(want, f)
 
 
-def draw_overlays(out_dir, det_dir, root, n=4):
+def draw_overlays(out_dir, det_dir, n=4):
     """GT (blue) and BRAIxDet teacher detections (red) on a few malignant test images."""
     from braixdet.data.dicom import read_dicom_image
     from braixdet.evaluation.overlay import draw_overlay
@@ -109,13 +109,17 @@ def main(argv=None):
         "--mvccl-opts", "SOLVER.MAX_ITER", str(spec["mvccl_iters"]),
         "--det-opts", "SOLVER.MAX_ITER", str(spec["det_iters"]),
         *(["TEST.BRAIXDET.EVAL_STUDENT", "False"] if args.quick else [])])
-    summary = run_pipeline.Pipeline(pipe_args).run_all()
+    pipeline = run_pipeline.Pipeline(pipe_args)
+    summary = pipeline.run_all()
 
     from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
-    cfg = build_cfg(os.path.join(demo_cfg, "braixdet.yaml"), pipe_args_to_opts(pipe_args))
+    # the pipeline's own dataset overrides, so the overlays see the same registered split
+    cfg = build_cfg(os.path.join(demo_cfg, "braixdet.yaml"),
+                    [*pipeline.common, "OUTPUT_DIR", os.path.join(out, "overlays_tmp"),
+                     "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", ""])
     register_and_assign_datasets(cfg)
-    overlays = draw_overlays(os.path.join(out, "overlays"), os.path.join(out, "braixdet"), root)
+    overlays = draw_overlays(os.path.join(out, "overlays"), os.path.join(out, "braixdet"))
     table = run_pipeline.format_table(summary["results"])
     minutes = (time.time() - t0) / 60
     report = (f"# BRAIxDet demo ({'quick' if args.quick else 'full'})\n\n"
@@ -131,14 +135,6 @@ def main(argv=None):
     print(f"outputs in {out}")
     return summary
 
-
-def pipe_args_to_opts(a):
-    return ["DATASETS.BRAIXDET.ROOT", a.root, "DATASETS.BRAIXDET.RATIO", a.ratio,
-            "DATASETS.BRAIXDET.SEED", str(a.seed),
-            "DATASETS.BRAIXDET.SPLIT_DIR", os.path.join(os.path.abspath(a.out), "splits"),
-            "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
-            "OUTPUT_DIR", os.path.join(os.path.abspath(a.out), "overlays_tmp"),
-            "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", *a.opts]
 
 
 if __name__ == "__main__":

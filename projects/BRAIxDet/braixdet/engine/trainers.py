@@ -388,7 +388,7 @@ def load_cam_lookup(cfg):
         return {}
     with open(cfg.SSL.CAM_JSON) as f:
         data = json.load(f)
-    return {k: v for k, v in data.get("images", data).items()}
+    return data.get("images", data)
 
 
 def trainer_class(cfg):
