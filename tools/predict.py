@@ -9,7 +9,8 @@ MLO are paired, and every image is the main view once with its partner as auxili
 missing partner: the image is its own auxiliary view, as in training, and reported). Backbone
 features are computed once per image per exam (``--no-share-features`` recomputes per pair).
 Writes ``predictions.json`` (SOPInstanceUID, laterality, view, boxes in original DICOM pixel
-coordinates, scores; no patient identifiers or paths) and overlay PNGs named by SOPInstanceUID.
+coordinates, scores; no patient identifiers or paths) and overlay PNGs named by SOPInstanceUID
+(sanitised: a crafted UID cannot write outside --out).
 """
 import argparse
 import json
@@ -27,6 +28,7 @@ from braixdet.data.dicom import read_dicom_image, read_dicom_meta
 from braixdet.data.preprocess import PreprocessParams, canonicalize
 from braixdet.data.report import BadInputError, BadInputReport
 from braixdet.engine.setup import build_cfg, load_inference_weights
+from braixdet.utils import safe_output_path
 
 logger = logging.getLogger("braixdet.predict")
 DICOM_SUFFIXES = (".dcm", ".dicom", "")
@@ -163,7 +165,7 @@ def main(argv=None):
                 keep = inst.scores >= args.overlay_thresh
                 draw_overlay(image, [], inst.pred_boxes.tensor[keep].numpy(),
                              inst.scores[keep].numpy(),
-                             os.path.join(args.out, f"{meta.sop_uid}.png"))
+                             safe_output_path(args.out, meta.sop_uid, ".png"))
     with open(os.path.join(args.out, "predictions.json"), "w") as f:
         json.dump({"images": records, "report": report.to_dict()["counts"]}, f, indent=1)
     report.save(os.path.join(args.out, "report.json"))

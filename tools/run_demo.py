@@ -61,6 +61,7 @@ def draw_overlays(out_dir, det_dir, n=4):
     """GT (blue) and BRAIxDet teacher detections (red) on a few malignant test images."""
     from braixdet.data.dicom import read_dicom_image
     from braixdet.evaluation.overlay import draw_overlay
+    from braixdet.utils import safe_output_path
 
     found = sorted(os.path.join(d, "detections_coco.json") for d, _, files in os.walk(det_dir)
                    if "detections_coco.json" in files)
@@ -79,7 +80,7 @@ def draw_overlays(out_dir, det_dir, n=4):
         mine = [r for r in dets if r.get("braixdet_image_id") == str(d["image_id"])]
         mine = sorted(mine, key=lambda r: -r["score"])[:3]
         boxes = [[x, y, x + w, y + h] for x, y, w, h in (r["bbox"] for r in mine)]
-        png = os.path.join(out_dir, f"{d['image_id']}.png")
+        png = safe_output_path(out_dir, d["image_id"], ".png")
         draw_overlay(img, [a["bbox"] for a in d["annotations"]], boxes,
                      [r["score"] for r in mine], png)
         written.append(png)

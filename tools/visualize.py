@@ -16,13 +16,13 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from collections import defaultdict
 
 import numpy as np
 
 from braixdet.evaluation.overlay import draw_overlay
+from braixdet.utils import safe_output_path
 
 logger = logging.getLogger("braixdet.visualize")
 
@@ -77,10 +77,6 @@ def load_image(file_name, laterality=None, canonical_params=None):
     return canon, (lambda b: tfm.apply_box(b) if len(b) else b), meta
 
 
-def _safe_name(key):
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(key))[:150] + ".png"
-
-
 def render(items, out_dir, score_thresh=0.0, canonical_params=None, max_images=None,
            max_side=2048):
     """items: iterable of (key, file_name, laterality, gt_boxes, (boxes, scores)); returns paths."""
@@ -90,7 +86,7 @@ def render(items, out_dir, score_thresh=0.0, canonical_params=None, max_images=N
             break
         keep = scores >= score_thresh
         img, to_img, _ = load_image(file_name, laterality, canonical_params)
-        path = os.path.join(out_dir, _safe_name(key))
+        path = safe_output_path(out_dir, key, ".png")
         draw_overlay(img, to_img(gt), to_img(boxes[keep]), scores[keep], path, max_side=max_side)
         written.append(path)
     return written
