@@ -90,7 +90,7 @@ def size_opts(size):
 
 def make_dataset(root, patients=12, image_size=(512, 320), seed=0):
     """Synthetic CBIS-DDSM-layout dataset under ``root`` (deterministic); returns its summary."""
-    from braixdet.data.synthetic import make_synthetic_dataset
+    from synthetic_mammo import make_synthetic_dataset
 
     return make_synthetic_dataset(root, patients=patients, image_size=tuple(image_size),
                                   seed=seed, progress=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """DataLoader cost vs a training iteration at the demo size (target: data_time < 10%).
 
-1. Writes a small synthetic CBIS-DDSM-layout dataset (braixdet.data.synthetic) to a temporary
+1. Writes a small synthetic CBIS-DDSM-layout dataset (synthetic_mammo) to a temporary
    folder and registers it with configs/demo/braixdet.yaml (split dir and canonical cache in the
    temporary folder too).
 2. Cold vs warm load of one image: ``CanonicalCache.get`` on an empty cache (DICOM decode +

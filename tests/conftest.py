@@ -10,7 +10,7 @@ try:  # the machine is shared: keep torch's intra-op pool small
 except ImportError:  # pragma: no cover
     pass
 
-from braixdet.data.synthetic import make_synthetic_dataset
+from synthetic_mammo import make_synthetic_dataset
 
 SYNTH_KW = dict(patients=10, image_size=(128, 96), lesion_rate=0.7, seed=0)
 

@@ -10,8 +10,7 @@ import numpy as np
 import pydicom
 import pytest
 from pydicom.uid import JPEG2000Lossless
-
-from braixdet.data.synthetic import CALC_HEADER, EXAM_HEADER, MASS_HEADER, make_synthetic_dataset
+from synthetic_mammo import CALC_HEADER, EXAM_HEADER, MASS_HEADER, make_synthetic_dataset
 
 CSV_NAMES = [
     f"{k}_case_description_{s}_set.csv" for k in ("mass", "calc") for s in ("train", "test")
@@ -129,7 +128,7 @@ def test_jpeg2000_and_monochrome1(synthetic_root):
 
 
 def test_jpeg2000_is_lossless(tmp_path):
-    from braixdet.data.synthetic import _write_dicom
+    from synthetic_mammo.write import _write_dicom
 
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 4096, size=(48, 40), dtype=np.uint16)

@@ -6,7 +6,7 @@
 import argparse
 import json
 
-from braixdet.data.synthetic import make_synthetic_dataset
+from synthetic_mammo import make_synthetic_dataset
 
 
 def main(argv=None):

@@ -47,7 +47,7 @@ def make_data(root, spec, seed):
     if os.path.exists(marker) and json.load(open(marker)) == want:
         print(f"=== [data] reusing {root}")
         return
-    from braixdet.data.synthetic import make_synthetic_dataset
+    from synthetic_mammo import make_synthetic_dataset
 
     shutil.rmtree(root, ignore_errors=True)
     print(f"=== [data] synthetic dataset: {spec['patients']} patients -> {root}", flush=True)

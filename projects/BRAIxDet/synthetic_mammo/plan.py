@@ -1,0 +1,150 @@
+"""What the synthetic dataset contains, before any pixel: patients, splits, lesions and places.
+
+Every function draws from the ``rng`` it is given, in a fixed order, so the same seed gives the
+same plan (write.py gives each stage its own seeded generator).
+"""
+import numpy as np
+
+VIEWS = ("CC", "MLO")
+
+
+def plan_patients(rng, patients, lesion_rate, malignant_fraction, test_fraction):
+    """Patient ids, splits and which breasts carry (malignant) lesions."""
+    ids, pid = [], 0
+    for _ in range(patients):
+        pid += int(rng.integers(1, 4))  # sparse ids, like upstream
+        ids.append(f"P_{pid:05d}")
+    n_test = int(round(patients * test_fraction))
+    if patients >= 2 and test_fraction > 0:
+        n_test = min(max(n_test, 1), patients - 1)
+    test_idx = set(rng.permutation(patients)[:n_test].tolist())
+    plan = []
+    for i, p in enumerate(ids):
+        split = "test" if i in test_idx else "train"
+        breasts = {}
+        for lat in ("L", "R"):
+            has = rng.uniform() < lesion_rate
+            breasts[lat] = {
+                "has_lesion": bool(has),
+                "n": int(rng.choice([1, 1, 1, 2])) if has else 0,
+                "malignant": [bool(rng.uniform() < malignant_fraction) for _ in range(2)],
+                "kind": "mass" if rng.uniform() < 0.55 else "calc",
+            }
+        plan.append({"index": i, "patient": p, "split": split, "breasts": breasts})
+    # Guarantee at least one malignant breast per non-empty split (tests/demo need positives).
+    for split in ("train", "test"):
+        members = [pl for pl in plan if pl["split"] == split]
+        if malignant_fraction > 0 and lesion_rate > 0 and members and not any(
+            b["has_lesion"] and any(b["malignant"][: b["n"]])
+            for pl in members for b in pl["breasts"].values()
+        ):
+            b = members[0]["breasts"]["L"]
+            b.update(has_lesion=True, n=max(1, b["n"]))
+            b["malignant"][0] = True
+    return plan
+
+
+def breast_geometry(rng, rows, cols):
+    """Per-breast geometry shared by both views (same depth axis => consistent lesion depth)."""
+    return {
+        "a": float(rng.uniform(0.62, 0.76) * cols),  # chest wall -> nipple distance (px)
+        "cc_b": float(rng.uniform(0.36, 0.43) * rows),
+        "cc_cy": float(rng.uniform(0.47, 0.53) * rows),
+        "mlo_b": float(rng.uniform(0.50, 0.56) * rows),
+        "mlo_cy": float(rng.uniform(0.50, 0.56) * rows),
+        "pect_w": float(rng.uniform(0.22, 0.36) * cols),
+        "pect_h": float(rng.uniform(0.35, 0.50) * rows),
+    }
+
+
+def sample_lesion(rng, kind, malignant, cols):
+    """Lesion parameters; malignant vs benign differ in distribution, with overlap."""
+    if kind == "mass":
+        spiculated = rng.uniform() < (0.7 if malignant else 0.2)
+        diam = rng.uniform(0.06, 0.11) * cols
+        les = {
+            "type": "mass",
+            "radius": diam / 2,
+            "irregularity": float(rng.uniform(0.10, 0.35) if malignant else rng.uniform(0, 0.2)),
+            "spikes": int(rng.integers(5, 11)) if spiculated else 0,
+            "blur": float(rng.uniform(0.4, 1.2) if spiculated else rng.uniform(0.5, 2.0)),
+            "contrast": float(np.clip(rng.normal(0.18 if malignant else 0.14, 0.05), 0.07, 0.35)),
+        }
+        irregular = les["irregularity"] > 0.2
+        les["shape"] = ("IRREGULAR" if irregular else
+                        str(rng.choice(["ROUND", "OVAL", "LOBULATED"])))
+        les["margins"] = ("SPICULATED" if spiculated else
+                          str(rng.choice(["CIRCUMSCRIBED", "OBSCURED", "ILL_DEFINED",
+                                          "MICROLOBULATED"])))
+        les["extent"] = les["radius"] * (1.8 if spiculated else 1 + les["irregularity"])
+        return les
+    diam = rng.uniform(0.07, 0.13) * cols
+    les = {
+        "type": "calc",
+        "radius": diam / 2,
+        "n_dots": int(rng.integers(8, 16) if malignant else rng.integers(4, 10)),
+        "tightness": float(rng.uniform(0.3, 0.5) if malignant else rng.uniform(0.45, 0.7)),
+        "pleomorphism": float(rng.uniform(0.5, 1.0) if malignant else rng.uniform(0.0, 0.6)),
+        "contrast": float(np.clip(rng.normal(0.42 if malignant else 0.36, 0.06), 0.2, 0.6)),
+    }
+    les["calc_type"] = ("PLEOMORPHIC" if les["pleomorphism"] > 0.55 else
+                        str(rng.choice(["PUNCTATE", "ROUND_AND_REGULAR", "AMORPHOUS"])))
+    les["distribution"] = "CLUSTERED" if les["tightness"] < 0.5 else str(
+        rng.choice(["CLUSTERED", "SEGMENTAL", "REGIONAL"]))
+    les["extent"] = les["radius"] + max(1.0, 0.01 * cols) + 2
+    return les
+
+
+def place_lesions(rng, lesions, geo, allowed, rows, cols):
+    """Chooses, per lesion, one depth from the nipple and one vertical position per view.
+
+    ``allowed[view]`` is the distance map (left frame) of breast minus pectoral muscle; the
+    centre must be ``extent + margin`` inside it in BOTH views, and lesions must not overlap.
+    """
+    a = geo["a"]
+    placed = []
+    for les in lesions:
+        for attempt in range(400):
+            shrink = 1.0 if attempt < 300 else 0.7
+            ext = les["extent"] * shrink
+            depth = rng.uniform(0.2, 0.75) * a
+            x = a - depth
+            cs = {}
+            for view in VIEWS:
+                b, cy = (geo["cc_b"], geo["cc_cy"]) if view == "CC" else (geo["mlo_b"],
+                                                                           geo["mlo_cy"])
+                half = b * np.sqrt(max(0.0, 1 - (x / a) ** 2))
+                y = cy + rng.uniform(-0.65, 0.65) * half
+                xi, yi = int(round(x)), int(round(y))
+                if not (0 <= yi < rows and 0 <= xi < cols) or allowed[view][yi, xi] < ext + 2:
+                    break
+                if any(np.hypot(x - p["_xy"][view][0], y - p["_xy"][view][1])
+                       < ext + p["extent"] + 3 for p in placed):
+                    break
+                cs[view] = (float(x), float(y))
+            if len(cs) == 2:
+                if shrink != 1.0:
+                    les["radius"] *= shrink
+                    les["extent"] = ext
+                les["_xy"], les["depth"] = cs, float(depth)
+                placed.append(les)
+                break
+    return placed
+
+
+def label_lesions(rng, lesions, malignant):
+    """Ids, pathology, BI-RADS assessment and subtlety of a breast's placed lesions (in place).
+
+    Returns (cancer, annotation level) of the breast, shared by both its views: a cancer breast
+    is "full" (malignant boxes given) for ~1/3, else "weak" (image label only); others "full".
+    """
+    for k, les in enumerate(lesions):
+        les["id"] = k + 1
+        mal = malignant[k]
+        les["pathology"] = "MALIGNANT" if mal else str(
+            rng.choice(["BENIGN", "BENIGN", "BENIGN_WITHOUT_CALLBACK"]))
+        les["assessment"] = int(rng.choice([4, 4, 5]) if mal else rng.choice([2, 3, 4]))
+        les["subtlety"] = int(rng.integers(1, 6))
+    cancer = any(les["pathology"] == "MALIGNANT" for les in lesions)
+    annotation = "full" if (not cancer or rng.uniform() < 1 / 3) else "weak"
+    return cancer, annotation
