@@ -2,7 +2,7 @@
 (CC <-> MLO) of the same breast in the same exam."""
 import collections
 
-from .datasets.common import normalize_view
+from .views import normalize_view
 
 
 def pair_views(dicts, report=None):

@@ -5,24 +5,11 @@ import os
 import numpy as np
 from detectron2.structures import BoxMode
 
+from ..pairing import pair_views
 from ..report import BadInputError
+from ..views import normalize_laterality, normalize_view  # noqa: F401 (re-export for the loaders)
 
 logger = logging.getLogger(__name__)
-
-# (choice) ML/LM/LMO are lateral views and pair with CC like an MLO; exaggerated CCs are CCs.
-_VIEWS = {"CC": "CC", "XCCL": "CC", "XCCM": "CC", "MLO": "MLO", "ML": "MLO", "LM": "MLO",
-          "LMO": "MLO"}
-_LATERALITIES = {"L": "L", "LEFT": "L", "R": "R", "RIGHT": "R"}
-
-
-def normalize_view(view):
-    """'CC'/'MLO' (ML/LM/LMO -> MLO), or None when not a CC/MLO-like view."""
-    return _VIEWS.get(str(view).strip().upper())
-
-
-def normalize_laterality(lat):
-    """'L'/'R' from L/R/LEFT/RIGHT, or None."""
-    return _LATERALITIES.get(str(lat).strip().upper())
 
 
 def is_under(path, root):
@@ -135,8 +122,6 @@ def read_csv_rows(csv_path, report, required):
 
 def finish(dicts, report, name):
     """Pair views, sort deterministically, log the summary line."""
-    from ..pairing import pair_views
-
     dicts = sorted(dicts, key=lambda d: d["image_id"])
     pair_views(dicts, report)
     n_pos = sum(d["label"] for d in dicts)
