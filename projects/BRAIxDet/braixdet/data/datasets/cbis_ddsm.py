@@ -171,10 +171,17 @@ def load_cbis_ddsm(root, report, allow_for_processing=False):
         n_csv += 1
         for line, row in read_csv_rows(csv_path, report, _REQUIRED):
             where = f"{csv_name}:{line}"
-            lat = normalize_laterality(row["left_or_right_breast"])
-            view = normalize_view(row["image_view"])
-            pathology = row["pathology"].upper()
-            if lat is None or view is None or not pathology.startswith(("MALIGNANT", "BENIGN")):
+            try:
+                lat = normalize_laterality(row["left_or_right_breast"])
+                view = normalize_view(row["image_view"])
+                pathology = row["pathology"].upper()
+                bad = lat is None or view is None or \
+                    not pathology.startswith(("MALIGNANT", "BENIGN"))
+            except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
+                report.add(BadInputError(csv_path, "bad_row", f"line {line}: unreadable row "
+                                         f"({type(e).__name__})"))
+                continue
+            if bad:
                 report.add(BadInputError(csv_path, "bad_row", f"line {line}: bad laterality/"
                                          "view/pathology"))
                 continue
@@ -186,7 +193,15 @@ def load_cbis_ddsm(root, report, allow_for_processing=False):
                      if any(s == "test" for s, *_ in rows)}
     dicts = []
     for (patient, lat, view), rows in sorted(rows_by_image.items()):
-        d = _load_image(root, patient, lat, view, rows, report, allow_for_processing)
+        try:
+            d = _load_image(root, patient, lat, view, rows, report, allow_for_processing)
+        except BadInputError:
+            raise  # report.add with on_bad_input="error"
+        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
+            csv_name, line = rows[0][2].rsplit(":", 1)
+            report.add(BadInputError(os.path.join(root, csv_name), "bad_row",
+                                     f"line {line}: unreadable row ({type(e).__name__})"))
+            continue
         if d is None:
             continue
         if patient in test_patients and d["split"] != "test":
@@ -203,7 +218,8 @@ def _load_image(root, patient, lat, view, rows, report, allow_for_processing):
         try:
             cands = resolve_cbis_path(root, cell)
         except BadInputError as e:
-            report.add(e)
+            where = next(w for _, r, w in rows if r["image_file_path"] == cell)
+            report.add(BadInputError(e.path, e.reason, f"{where}: {e.detail}".rstrip(": ")))
             continue
         if len(cands) > 1:
             # a full-image folder should hold one file; take the largest (the mammogram)

@@ -25,10 +25,95 @@ def resolve_in_root(root, rel_path, base=None):
     path elsewhere; the caller decides whether the file must exist.
     """
     rel_path = str(rel_path).strip()
+    if "\0" in rel_path:  # os.path.realpath would raise ValueError
+        raise BadInputError(rel_path.replace("\0", "\\0"), "bad_row", "NUL byte in a path")
     path = os.path.normpath(os.path.join(base or root, rel_path))
     if not is_under(path, root):
         raise BadInputError(rel_path, "path_escapes_root")
     return path
+
+
+# Bounds on what a CSV cell may hold (hostile or broken files): longer cells, longer numbers,
+# larger coordinates and deeper nesting are bad rows, never exceptions.
+MAX_CELL_CHARS = 65536  # per cell; ~1000 boxes in a ``boxes`` cell
+MAX_NUMBER_CHARS = 32
+MAX_ABS_NUMBER = 1e6  # pixel coordinates and image sizes
+MAX_BOXES = 1000
+_NUMBER_PATTERN = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+
+
+class CellError(ValueError):
+    """A CSV cell that is not what its column must hold; ``str`` says why (one line)."""
+
+
+def _short(text, n=24):
+    text = str(text)
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def parse_number(text, what="value"):
+    """A plain decimal number cell -> float: at most 32 characters, finite, |v| <= 1e6.
+
+    Refuses what ``float()`` would accept but a coordinate must not be: ``nan``, ``inf``,
+    ``1e999``, ``1_000``, non-ASCII digits, ``true``, and 400-digit numbers (CellError).
+    """
+    import re
+
+    text = str(text).strip()
+    if len(text) > MAX_NUMBER_CHARS:
+        raise CellError(f"{what} has {len(text)} characters (limit {MAX_NUMBER_CHARS})")
+    if not re.fullmatch(_NUMBER_PATTERN, text, flags=re.ASCII):
+        raise CellError(f"{what} {_short(text)} is not a plain decimal number")
+    v = float(text)
+    if not abs(v) <= MAX_ABS_NUMBER:  # also catches inf (1e999) and nan
+        raise CellError(f"{what} {_short(text)} is not a finite number within "
+                        f"+-{MAX_ABS_NUMBER:g}")
+    return v
+
+
+def parse_boxes_json(text, what="boxes"):
+    """A JSON cell ``[[x0, y0, x1, y1], ...]`` -> list of 4-float lists, strictly bounded.
+
+    Nesting deeper than a list of lists is refused before JSON parsing (no RecursionError);
+    numbers go through ``parse_number`` (no OverflowError from 400-digit integers, no NaN/
+    Infinity); booleans, strings and nulls are refused (JSON ``true`` is not the number 1).
+    Raises CellError naming the problem.
+    """
+    import json
+    import re
+
+    text = str(text).strip() or "[]"
+    if len(text) > MAX_CELL_CHARS:
+        raise CellError(f"{what} cell has {len(text)} characters (limit {MAX_CELL_CHARS})")
+    depth = 0
+    for ch in re.sub(r"[^\[\]{}]", "", text):
+        depth += 1 if ch in "[{" else -1
+        if depth > 2:
+            raise CellError(f"{what} nested deeper than a list of [x0, y0, x1, y1] lists")
+
+    def bad_constant(name):
+        raise CellError(f"{what}: {name} is not a finite number")
+
+    try:
+        boxes = json.loads(text, parse_int=lambda s: parse_number(s, "coordinate"),
+                           parse_float=lambda s: parse_number(s, "coordinate"),
+                           parse_constant=bad_constant)
+    except CellError:
+        raise
+    except ValueError as e:  # JSONDecodeError
+        raise CellError(f"{what} is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(boxes, list):
+        raise CellError(f"{what} must be a JSON list of [x0, y0, x1, y1]")
+    if len(boxes) > MAX_BOXES:
+        raise CellError(f"{what} has {len(boxes)} boxes (limit {MAX_BOXES})")
+    for i, b in enumerate(boxes, 1):
+        if not isinstance(b, list) or len(b) != 4:
+            n = f"{len(b)} values" if isinstance(b, list) else f"a JSON {type(b).__name__}"
+            raise CellError(f"{what}: box {i} has {n}, expected [x0, y0, x1, y1]")
+        for v in b:
+            if type(v) is not float:  # parse_int/parse_float give floats: bool, str, None left
+                raise CellError(f"{what}: box {i} holds {json.dumps(v)[:24]}, not a number")
+    return boxes
 
 
 def clip_box(box, height, width):
@@ -111,6 +196,11 @@ def read_csv_rows(csv_path, report, required):
             if len(cells) != len(keys):
                 report.add(BadInputError(csv_path, "bad_row",
                                          f"line {line}: {len(cells)} cells, {len(keys)} columns"))
+                continue
+            long = [k for k, c in zip(keys, cells) if len(c) > MAX_CELL_CHARS]
+            if long:
+                report.add(BadInputError(csv_path, "bad_row", f"line {line}: cell {long[0]!r} "
+                                         f"longer than {MAX_CELL_CHARS} characters"))
                 continue
             row = {k: c.strip() for k, c in zip(keys, cells)}
             empty = [k for k in required if not row[k]]

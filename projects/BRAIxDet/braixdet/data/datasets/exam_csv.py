@@ -5,17 +5,18 @@ image; image_path relative to the CSV's folder (or absolute, inside the root); b
 [x0, y0, x1, y1] in original pixels (malignant lesions; "[]" for weak or lesion-free images).
 patient_id and exam_id are pseudonymised (they may be hospital identifiers).
 """
-import json
 import logging
 import os
 
 from ..dicom import pseudonymise
 from ..report import BadInputError
 from .common import (
+    CellError,
     checked_annotations,
     finish,
     normalize_laterality,
     normalize_view,
+    parse_boxes_json,
     read_csv_rows,
     read_meta,
     resolve_in_root,
@@ -42,14 +43,9 @@ def _parse_row(row):
     if split is None:
         return "split must be train|test"
     try:
-        boxes = json.loads(row.get("boxes") or "[]")
-        if not isinstance(boxes, list) or not all(
-            isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) for v in b)
-            for b in boxes
-        ):
-            raise ValueError
-    except ValueError:
-        return "boxes must be a JSON list of [x0, y0, x1, y1]"
+        boxes = parse_boxes_json(row.get("boxes") or "[]")
+    except CellError as e:
+        return str(e)
     label = int(row["cancer_label"])
     if label == 0 and boxes:
         return "cancer_label 0 with malignant boxes"
@@ -67,45 +63,60 @@ def load_exam_csv(csv_path, root, report, allow_for_processing=False):
     base = os.path.dirname(csv_path)
     dicts, seen = [], set()
     for line, row in read_csv_rows(csv_path, report, REQUIRED):
-        parsed = _parse_row(row)
-        if isinstance(parsed, str):
-            report.add(BadInputError(csv_path, "bad_row", f"line {line}: {parsed}"))
-            continue
-        lat, view, label, ann, split, boxes = parsed
         try:
-            path = resolve_in_root(root, row["image_path"], base)
-        except BadInputError as e:
-            report.add(BadInputError(e.path, e.reason, f"line {line}"))
+            d = _load_row(line, row, root, base, csv_path, seen, report, allow_for_processing)
+        except BadInputError:
+            raise  # report.add with on_bad_input="error"
+        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
+            report.add(BadInputError(csv_path, "bad_row", f"line {line}: unreadable row "
+                                     f"({type(e).__name__})"))
             continue
-        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
-        if rel in seen:
-            report.add(BadInputError(csv_path, "bad_row", f"line {line}: duplicate image_path"))
-            continue
-        seen.add(rel)
-        meta = read_meta(path, report, allow_for_processing)
-        if meta is None:
-            continue
-        if meta.laterality and meta.laterality != lat:
-            report.count("laterality_disagreement")  # the CSV wins; counted for the user
-        h, w = int(meta.rows), int(meta.cols)
-        pid = pseudonymise(row["patient_id"])
-        d = {
-            "file_name": path,
-            "image_id": "img_" + pseudonymise(rel.replace(os.sep, "/")),
-            "exam_id": pseudonymise(row["patient_id"] + "/" + row["exam_id"]),
-            "patient_id": pid,
-            "laterality": lat,
-            "view": view,
-            "height": h,
-            "width": w,
-            "label": label,
-            "split": split,
-            "annotation_type": ann,
-        }
-        if ann == "full" and label == 1 and not boxes:
-            report.count("full_without_boxes")  # a cancer without its box cannot train boxes
-            d["annotation_type"] = "weak"
-        elif ann == "full":
-            d["annotations"] = checked_annotations(boxes, h, w, path, report)
-        dicts.append(d)
+        if d is not None:
+            dicts.append(d)
     return finish(dicts, report, "exam CSV")
+
+
+def _load_row(line, row, root, base, csv_path, seen, report, allow_for_processing):
+    """One CSV row -> dataset dict, or None (the problem is in the report)."""
+    parsed = _parse_row(row)
+    if isinstance(parsed, str):
+        report.add(BadInputError(csv_path, "bad_row", f"line {line}: {parsed}"))
+        return None
+    lat, view, label, ann, split, boxes = parsed
+    try:
+        path = resolve_in_root(root, row["image_path"], base)
+    except BadInputError as e:
+        where = f"{os.path.basename(csv_path)} line {line}"
+        report.add(BadInputError(e.path, e.reason, f"{where}: {e.detail}" if e.detail else where))
+        return None
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    if rel in seen:
+        report.add(BadInputError(csv_path, "bad_row", f"line {line}: duplicate image_path"))
+        return None
+    seen.add(rel)
+    meta = read_meta(path, report, allow_for_processing)
+    if meta is None:
+        return None
+    if meta.laterality and meta.laterality != lat:
+        report.count("laterality_disagreement")  # the CSV wins; counted for the user
+    h, w = int(meta.rows), int(meta.cols)
+    pid = pseudonymise(row["patient_id"])
+    d = {
+        "file_name": path,
+        "image_id": "img_" + pseudonymise(rel.replace(os.sep, "/")),
+        "exam_id": pseudonymise(row["patient_id"] + "/" + row["exam_id"]),
+        "patient_id": pid,
+        "laterality": lat,
+        "view": view,
+        "height": h,
+        "width": w,
+        "label": label,
+        "split": split,
+        "annotation_type": ann,
+    }
+    if ann == "full" and label == 1 and not boxes:
+        report.count("full_without_boxes")  # a cancer without its box cannot train boxes
+        d["annotation_type"] = "weak"
+    elif ann == "full":
+        d["annotations"] = checked_annotations(boxes, h, w, path, report)
+    return d

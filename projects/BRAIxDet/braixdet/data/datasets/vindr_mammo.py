@@ -12,10 +12,12 @@ import re
 from ..dicom import pseudonymise
 from ..report import BadInputError
 from .common import (
+    CellError,
     checked_annotations,
     finish,
     normalize_laterality,
     normalize_view,
+    parse_number,
     read_csv_rows,
     read_meta,
     resolve_in_root,
@@ -46,61 +48,85 @@ def load_vindr_mammo(root, report, malignant_birads=(4, 5), allow_for_processing
 
     boxes = collections.defaultdict(list)  # image_id -> malignant boxes
     for line, row in read_csv_rows(finding_csv, report, _FINDING_REQUIRED):
-        if parse_birads(row.get("finding_birads", "")) not in malignant_birads:
-            continue
         try:
-            box = [float(row[k]) for k in ("xmin", "ymin", "xmax", "ymax")]
-        except (KeyError, ValueError):
+            malignant = parse_birads(row.get("finding_birads", "")) in malignant_birads
+            box = [parse_number(row.get(k, ""), k) for k in ("xmin", "ymin", "xmax", "ymax")] \
+                if malignant else None
+        except CellError as e:
             report.add(BadInputError(finding_csv, "bad_row", f"line {line}: malignant finding "
-                                     "without a valid box"))
+                                     f"without a valid box ({e})"))
             boxes[row["image_id"]].append(None)  # -> the image becomes weak
             continue
-        boxes[row["image_id"]].append(box)
+        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
+            report.add(BadInputError(finding_csv, "bad_row", f"line {line}: unreadable row "
+                                     f"({type(e).__name__})"))
+            continue
+        if malignant:
+            boxes[row["image_id"]].append(box)
 
     dicts, seen = [], set()
     for line, row in read_csv_rows(breast_csv, report, _BREAST_REQUIRED):
-        lat, view = normalize_laterality(row["laterality"]), normalize_view(row["view_position"])
-        split = _SPLITS.get(row["split"].lower())
-        if lat is None or view is None or split is None or row["image_id"] in seen:
-            report.add(BadInputError(breast_csv, "bad_row", f"line {line}: bad laterality/view/"
-                                     "split or duplicate image_id"))
-            continue
-        seen.add(row["image_id"])
         try:
-            path = resolve_in_root(root, os.path.join("images", row["study_id"],
-                                                      row["image_id"] + ".dicom"))
-        except BadInputError as e:
-            report.add(e)
+            d = _load_row(line, row, root, breast_csv, boxes, seen, report, allow_for_processing)
+        except BadInputError:
+            raise  # report.add with on_bad_input="error"
+        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
+            report.add(BadInputError(breast_csv, "bad_row", f"line {line}: unreadable row "
+                                     f"({type(e).__name__})"))
             continue
-        meta = read_meta(path, report, allow_for_processing)
-        if meta is None:
-            continue
-        h, w = int(meta.rows), int(meta.cols)
-        if row.get("height") and row.get("width"):
-            try:
-                if (int(float(row["height"])), int(float(row["width"]))) != (h, w):
-                    report.count("size_mismatch_csv")  # boxes follow the DICOM grid
-            except ValueError:
-                pass
-        img_boxes = boxes.get(row["image_id"], [])
-        pid = pseudonymise(row["study_id"])
-        d = {
-            "file_name": path,
-            "image_id": row["image_id"],
-            "exam_id": row["study_id"],
-            "patient_id": pid,
-            "laterality": lat,
-            "view": view,
-            "height": h,
-            "width": w,
-            "label": int(bool(img_boxes)),
-            "split": split,
-            "annotation_type": "full",
-        }
-        if any(b is None for b in img_boxes):
-            report.count("made_weak")
-            d["annotation_type"] = "weak"
-        else:
-            d["annotations"] = checked_annotations(img_boxes, h, w, path, report)
-        dicts.append(d)
+        if d is not None:
+            dicts.append(d)
     return finish(dicts, report, "VinDr-Mammo")
+
+
+def _load_row(line, row, root, breast_csv, boxes, seen, report, allow_for_processing):
+    """One breast-level row -> dataset dict, or None (the problem is in the report)."""
+    lat, view = normalize_laterality(row["laterality"]), normalize_view(row["view_position"])
+    split = _SPLITS.get(row["split"].lower())
+    if lat is None or view is None or split is None or row["image_id"] in seen:
+        report.add(BadInputError(breast_csv, "bad_row", f"line {line}: bad laterality/view/"
+                                 "split or duplicate image_id"))
+        return None
+    seen.add(row["image_id"])
+    try:
+        path = resolve_in_root(root, os.path.join("images", row["study_id"],
+                                                  row["image_id"] + ".dicom"))
+    except BadInputError as e:
+        where = f"{os.path.basename(breast_csv)} line {line}"
+        report.add(BadInputError(e.path, e.reason, f"{where}: {e.detail}" if e.detail
+                                 else where))
+        return None
+    meta = read_meta(path, report, allow_for_processing)
+    if meta is None:
+        return None
+    h, w = int(meta.rows), int(meta.cols)
+    if row.get("height") and row.get("width"):
+        try:
+            csv_hw = (int(parse_number(row["height"], "height")),
+                      int(parse_number(row["width"], "width")))
+            if csv_hw != (h, w):
+                report.count("size_mismatch_csv")  # boxes follow the DICOM grid
+        except CellError as e:
+            report.add(BadInputError(breast_csv, "bad_row", f"line {line}: {e}"))
+            return None
+    img_boxes = boxes.get(row["image_id"], [])
+    pid = pseudonymise(row["study_id"])
+    d = {
+        "file_name": path,
+        "image_id": row["image_id"],
+        "exam_id": row["study_id"],
+        "patient_id": pid,
+        "laterality": lat,
+        "view": view,
+        "height": h,
+        "width": w,
+        "label": int(bool(img_boxes)),
+        "split": split,
+        "annotation_type": "full",
+    }
+    if any(b is None for b in img_boxes):
+        report.count("made_weak")
+        d["annotation_type"] = "weak"
+    else:
+        d["annotations"] = checked_annotations(img_boxes, h, w, path, report)
+    return d
