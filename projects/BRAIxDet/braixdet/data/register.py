@@ -6,6 +6,7 @@ Five names per (dataset, protocol, ratio, seed), all backed by ONE lazy load of 
 The bad-input report goes to ``<split_dir>/<name>_report.json``, the split to
 ``<split_dir>/<name>_split_{rtag}_s{seed}.json``; nothing is written inside the dataset root.
 """
+import dataclasses
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ from .report import BadInputReport
 
 logger = logging.getLogger(__name__)
 
-_LOADED = {}  # registration key -> {role: dicts}
+_LOADED = {}  # RegistrationSpec -> {role: dicts}
 _LOCK = threading.Lock()
 
 
@@ -34,26 +35,140 @@ def dataset_names(name, protocol, ratio, seed):
     }
 
 
-def _load_all(key, fmt, root, csv, name, protocol, ratio, seed, val_fraction, split_file,
-              report_path, on_bad_input, malignant_birads, allow_for_processing):
+@dataclasses.dataclass(frozen=True)
+class RegistrationSpec:
+    """Everything one registration depends on, validated and normalised (``from_args``).
+
+    Equal specs are the same registration: they share one lazy load (``_load_all``) and
+    registering one again is a no-op. Hashable, so it is the load cache's key.
+    """
+
+    format: str  # cbis_ddsm | vindr_mammo | exam_csv
+    root: str  # absolute
+    csv: str | None  # exam_csv only; None -> "exams.csv"
+    name: str
+    protocol: str  # partial | full
+    ratio: str  # normalised: "1/8" for 0.125 or "1/8"; "1" for the full protocol
+    seed: int
+    val_fraction: float
+    split_dir: str  # absolute, outside the root
+    on_bad_input: str
+    malignant_birads: tuple  # vindr_mammo only
+    allow_for_processing: bool
+
+    @classmethod
+    def from_args(cls, fmt, root, name=None, protocol="partial", ratio="1/8", seed=0,
+                  val_fraction=0.1, split_dir=None, on_bad_input="skip", csv=None,
+                  malignant_birads=(4, 5), allow_for_processing=False):
+        """The arguments of register_braixdet_datasets, checked; bad ones raise here."""
+        if fmt not in LOADERS:
+            raise ValueError(f"unknown dataset format {fmt!r}; one of {sorted(LOADERS)}")
+        if not root or not os.path.isdir(root):
+            raise FileNotFoundError(f"dataset root {root!r} is not a folder")
+        if protocol == "partial":
+            parse_ratio(ratio)  # fail early on a bad ratio
+        root = os.path.abspath(root)
+        name = name or fmt
+        seed = int(seed)
+        split_dir = os.path.abspath(split_dir or os.path.join("output", "splits"))
+        if is_under(split_dir, root):
+            raise ValueError(f"split_dir {split_dir} is inside the dataset root (read only)")
+        # ratio_tag (the names) parses the ratio for every protocol but "full"
+        ratio = "1" if protocol == "full" else str(parse_ratio(ratio))
+        return cls(format=fmt, root=root, csv=csv, name=name, protocol=protocol, ratio=ratio,
+                   seed=seed, val_fraction=float(val_fraction), split_dir=split_dir,
+                   on_bad_input=on_bad_input,
+                   malignant_birads=tuple(int(b) for b in malignant_birads),
+                   allow_for_processing=bool(allow_for_processing))
+
+    @classmethod
+    def from_cfg(cls, cfg):
+        """From cfg.DATASETS.BRAIXDET.* (split dir defaults to OUTPUT_DIR/splits)."""
+        b = cfg.DATASETS.BRAIXDET
+        return cls.from_args(
+            b.FORMAT, b.ROOT, name=b.NAME or None, protocol=b.PROTOCOL, ratio=b.RATIO,
+            seed=b.SEED, val_fraction=b.VAL_FRACTION,
+            split_dir=b.SPLIT_DIR or os.path.join(cfg.OUTPUT_DIR, "splits"),
+            on_bad_input=b.ON_BAD_INPUT, csv=b.CSV or None,
+            malignant_birads=tuple(b.VINDR_MALIGNANT_BIRADS),
+            allow_for_processing=cfg.INPUT.BRAIXDET.get("ALLOW_FOR_PROCESSING", False))
+
+    @property
+    def rtag(self):
+        return ratio_tag(self.protocol, self.ratio)
+
+    @property
+    def names(self):
+        """{role: registered name}."""
+        return dataset_names(self.name, self.protocol, self.ratio, self.seed)
+
+    @property
+    def split_file(self):
+        return os.path.join(self.split_dir, f"{self.name}_split_{self.rtag}_s{self.seed}.json")
+
+    @property
+    def report_path(self):
+        return os.path.join(self.split_dir, f"{self.name}_report.json")
+
+    def registration_key(self, role):
+        """What must match for an existing registration of ``role`` to be kept as it is.
+
+        The test set depends only on the source (format, root, csv, name and how it is read),
+        not on protocol, ratio, seed, val_fraction or split_dir: every protocol shares it.
+        """
+        if role != "test":
+            return repr(self)
+        return repr((self.format, self.root, self.csv, self.name, self.on_bad_input,
+                     self.malignant_birads, self.allow_for_processing))
+
+
+def _load_all(spec):
     with _LOCK:
-        if key in _LOADED:
-            return _LOADED[key]
-        report = BadInputReport(name, on_bad_input)
-        if fmt == "cbis_ddsm":
-            dicts = LOADERS[fmt](root, report, allow_for_processing=allow_for_processing)
-        elif fmt == "vindr_mammo":
-            dicts = LOADERS[fmt](root, report, malignant_birads=malignant_birads,
-                                 allow_for_processing=allow_for_processing)
+        if spec in _LOADED:
+            return _LOADED[spec]
+        report = BadInputReport(spec.name, spec.on_bad_input)
+        loader = LOADERS[spec.format]
+        if spec.format == "cbis_ddsm":
+            dicts = loader(spec.root, report, allow_for_processing=spec.allow_for_processing)
+        elif spec.format == "vindr_mammo":
+            dicts = loader(spec.root, report, malignant_birads=spec.malignant_birads,
+                           allow_for_processing=spec.allow_for_processing)
         else:
-            dicts = LOADERS[fmt](csv or "exams.csv", root, report,
-                                 allow_for_processing=allow_for_processing)
-        report.save(report_path)
+            dicts = loader(spec.csv or "exams.csv", spec.root, report,
+                           allow_for_processing=spec.allow_for_processing)
+        report.save(spec.report_path)
         print(report.summary())
         if not dicts:
-            raise RuntimeError(f"{name}: no usable image in {root} (see {report_path})")
-        _LOADED[key] = split_dataset(dicts, protocol, ratio, seed, val_fraction, split_file)
-        return _LOADED[key]
+            raise RuntimeError(f"{spec.name}: no usable image in {spec.root} "
+                               f"(see {spec.report_path})")
+        _LOADED[spec] = split_dataset(dicts, spec.protocol, spec.ratio, spec.seed,
+                                      spec.val_fraction, spec.split_file)
+        return _LOADED[spec]
+
+
+def register(spec):
+    """Register the five role datasets of ``spec`` (lazily loaded); returns {role: name}.
+
+    Registering an equal spec again is a no-op; another spec under the same names replaces the
+    old registration.
+    """
+    names = spec.names
+    for role in ROLES:
+        ds_name = names[role]
+        meta = {"thing_classes": ["malignant"], "evaluator_type": "mammo", "root": spec.root,
+                "report_path": spec.report_path, "split_file": spec.split_file, "role": role,
+                "protocol": spec.protocol, "ratio": spec.rtag, "seed": spec.seed,
+                "dataset_format": spec.format, "registration_key": spec.registration_key(role)}
+        if ds_name in DatasetCatalog.list():
+            old = MetadataCatalog.get(ds_name).get("registration_key", None)
+            if old == meta["registration_key"]:
+                continue  # same registration: idempotent
+            logger.warning("Re-registering %s with other arguments", ds_name)
+            DatasetCatalog.remove(ds_name)
+            MetadataCatalog.remove(ds_name)
+        DatasetCatalog.register(ds_name, lambda role=role: list(_load_all(spec)[role]))
+        MetadataCatalog.get(ds_name).set(**meta)
+    return names
 
 
 def register_braixdet_datasets(fmt, root, name=None, protocol="partial", ratio="1/8", seed=0,
@@ -64,55 +179,12 @@ def register_braixdet_datasets(fmt, root, name=None, protocol="partial", ratio="
     ``fmt``: cbis_ddsm | vindr_mammo | exam_csv. Calling again with the same arguments is a
     no-op; with other arguments under the same names, the old registration is replaced.
     """
-    if fmt not in LOADERS:
-        raise ValueError(f"unknown dataset format {fmt!r}; one of {sorted(LOADERS)}")
-    if not root or not os.path.isdir(root):
-        raise FileNotFoundError(f"dataset root {root!r} is not a folder")
-    if protocol == "partial":
-        parse_ratio(ratio)  # fail early on a bad ratio
-    root = os.path.abspath(root)
-    name = name or fmt
-    seed = int(seed)
-    split_dir = os.path.abspath(split_dir or os.path.join("output", "splits"))
-    if is_under(split_dir, root):
-        raise ValueError(f"split_dir {split_dir} is inside the dataset root (read only)")
-    names = dataset_names(name, protocol, ratio, seed)
-    rtag = ratio_tag(protocol, ratio)
-    split_file = os.path.join(split_dir, f"{name}_split_{rtag}_s{seed}.json")
-    report_path = os.path.join(split_dir, f"{name}_report.json")
-    malignant_birads = tuple(int(b) for b in malignant_birads)
-    key = (fmt, root, csv, name, protocol, str(parse_ratio(ratio)) if protocol == "partial"
-           else "1", seed, float(val_fraction), split_dir, on_bad_input, malignant_birads,
-           bool(allow_for_processing))
-    args = (key, fmt, root, csv, name, protocol, ratio, seed, float(val_fraction), split_file,
-            report_path, on_bad_input, malignant_birads, bool(allow_for_processing))
-
-    for role in ROLES:
-        ds_name = names[role]
-        meta = {"thing_classes": ["malignant"], "evaluator_type": "mammo", "root": root,
-                "report_path": report_path, "split_file": split_file, "role": role,
-                "protocol": protocol, "ratio": rtag, "seed": seed, "dataset_format": fmt,
-                # the test set does not depend on protocol/ratio/seed/val_fraction
-                "registration_key": repr(key if role != "test" else key[:4] + key[-3:])}
-        if ds_name in DatasetCatalog.list():
-            old = MetadataCatalog.get(ds_name).get("registration_key", None)
-            if old == meta["registration_key"]:
-                continue  # same registration: idempotent
-            logger.warning("Re-registering %s with other arguments", ds_name)
-            DatasetCatalog.remove(ds_name)
-            MetadataCatalog.remove(ds_name)
-        DatasetCatalog.register(ds_name, lambda role=role: list(_load_all(*args)[role]))
-        MetadataCatalog.get(ds_name).set(**meta)
-    return names
+    return register(RegistrationSpec.from_args(
+        fmt, root, name=name, protocol=protocol, ratio=ratio, seed=seed,
+        val_fraction=val_fraction, split_dir=split_dir, on_bad_input=on_bad_input, csv=csv,
+        malignant_birads=malignant_birads, allow_for_processing=allow_for_processing))
 
 
 def register_from_cfg(cfg):
     """register_braixdet_datasets from cfg.DATASETS.BRAIXDET.*; returns {role: name}."""
-    b = cfg.DATASETS.BRAIXDET
-    split_dir = b.SPLIT_DIR or os.path.join(cfg.OUTPUT_DIR, "splits")
-    return register_braixdet_datasets(
-        b.FORMAT, b.ROOT, name=b.NAME or None, protocol=b.PROTOCOL, ratio=b.RATIO,
-        seed=b.SEED, val_fraction=b.VAL_FRACTION, split_dir=split_dir,
-        on_bad_input=b.ON_BAD_INPUT, csv=b.CSV or None,
-        malignant_birads=tuple(b.VINDR_MALIGNANT_BIRADS),
-        allow_for_processing=cfg.INPUT.BRAIXDET.get("ALLOW_FOR_PROCESSING", False))
+    return register(RegistrationSpec.from_cfg(cfg))
