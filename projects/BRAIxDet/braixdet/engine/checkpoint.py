@@ -6,11 +6,18 @@
 * Only tensors and plain Python values are saved (checked before writing), and ``.pth`` files are
   read with ``torch.load(weights_only=True)``: a crafted pickle cannot run code. detectron2's
   ``.pkl`` model-zoo files are read with a restricted unpickler (numpy arrays and plain values).
+* Failures are one line a user can act on: a refused file raises ``CheckpointRefusedError``
+  (``refusing to load X: it contains Python objects ...``), an unreadable one
+  ``CheckpointLoadError``, and a write that fails (e.g. a full disk) ``CheckpointWriteError``
+  (``no space left on device while writing checkpoint X (free: 12 MB); the previous checkpoint
+  is intact``) after removing its temporary file.
 """
 import collections
+import errno
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 
 import torch
@@ -20,6 +27,9 @@ from torch import nn
 __all__ = [
     "AtomicCheckpointer",
     "CheckpointContentError",
+    "CheckpointLoadError",
+    "CheckpointRefusedError",
+    "CheckpointWriteError",
     "atomic_torch_save",
     "check_checkpoint_content",
     "export_model_only",
@@ -37,6 +47,51 @@ _SEQ_TYPES = (list, tuple, set)
 
 class CheckpointContentError(TypeError):
     """A checkpoint value that is not a tensor or a plain Python value."""
+
+
+class CheckpointRefusedError(pickle.UnpicklingError):
+    """torch.load(weights_only=True) (or the .pkl unpickler) refused the file: it holds pickled
+    Python objects that could run code. ``str`` is one line naming the file."""
+
+    def __init__(self, path, detail="", reason=""):
+        self.path, self.detail = str(path), detail
+        reason = reason or ("it contains Python objects other than tensors and plain values "
+                            "(weights_only)")
+        super().__init__(f"refusing to load {self.path}: {reason}")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint file that cannot be read (truncated, not a PyTorch file). One line."""
+
+    def __init__(self, path, detail=""):
+        self.path, self.detail = str(path), detail
+        super().__init__(f"cannot load checkpoint {self.path}: not a complete PyTorch checkpoint "
+                         f"(truncated or another format?){': ' + detail if detail else ''}")
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (e.g. ENOSPC); the temporary file was removed and the file it
+    would have replaced is untouched. ``str`` is one line naming the file and free space."""
+
+    def __init__(self, path, cause):
+        dirname = os.path.dirname(os.path.abspath(path))
+        code = getattr(cause, "errno", None)
+        try:
+            free = f"{shutil.disk_usage(dirname).free / 2**20:.0f} MB"
+        except OSError:
+            free = "unknown"
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            what = "no space left on device" if code == errno.ENOSPC else "disk quota exceeded"
+        else:
+            what = f"write failed ({getattr(cause, 'strerror', None) or cause})".splitlines()[0]
+        prev = "the previous checkpoint is intact" if os.path.exists(
+            os.path.join(dirname, "last_checkpoint")) else "no earlier file was changed"
+        super().__init__(code or errno.EIO,
+                         f"{what} while writing checkpoint {path} (free: {free}); {prev}")
+        self.path = str(path)
+
+    def __str__(self):
+        return self.strerror
 
 
 def check_checkpoint_content(obj, path="checkpoint"):
@@ -86,24 +141,66 @@ def _remove_stale_tmp(dirname, basename):
                 pass
 
 
+class _RecordingWriter:
+    """File proxy that remembers the first OSError of a write: torch.save turns it into a
+    RuntimeError ("[enforce fail at inline_container.cc] unexpected pos ...") without errno."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self):
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name):  # seek, tell, truncate, fileno, ...: the file's own
+        return getattr(self._f, name)
+
+
+def _is_write_failure(exc):
+    if isinstance(exc, OSError):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in msg for s in ("inline_container", "file write failed", "PytorchStreamWriter",
+                           "No space left"))
+
+
 def _atomic_write(path, write_fn, mode="wb"):
     """write_fn(f) into a temp file next to ``path``, fsync, then atomically replace ``path``.
-    Single writer per path assumed (the main process), so stale temp files can be removed."""
+    Single writer per path assumed (the main process), so stale temp files can be removed.
+    A failed write (full disk, I/O error) removes the temp file and raises CheckpointWriteError;
+    ``path`` keeps its previous content."""
     dirname = os.path.dirname(os.path.abspath(path))
     os.makedirs(dirname, exist_ok=True)
     _remove_stale_tmp(dirname, os.path.basename(path))
     fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    writer = None
     try:
         with os.fdopen(fd, mode) as f:
-            write_fn(f)
+            writer = _RecordingWriter(f)
+            write_fn(writer)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, Exception) and not isinstance(e, CheckpointWriteError) and \
+                _is_write_failure(e):
+            cause = (writer.error if writer is not None else None) or e
+            raise CheckpointWriteError(path, cause) from e
         raise
     _fsync_dir(dirname)  # make the rename itself durable
 
@@ -114,9 +211,28 @@ def atomic_torch_save(data, path):
     _atomic_write(path, lambda f: torch.save(data, f))
 
 
-def safe_torch_load(path):
-    """torch.load that never executes pickled code (weights_only=True), onto the CPU."""
-    return torch.load(path, map_location=torch.device("cpu"), weights_only=True)
+def safe_torch_load(f):
+    """torch.load that never executes pickled code (weights_only=True), onto the CPU.
+
+    ``f``: a path or an open binary file. A file holding other Python objects raises
+    CheckpointRefusedError (a pickle.UnpicklingError), a truncated / non-PyTorch file
+    CheckpointLoadError; both say which file on one line.
+    """
+    name = getattr(f, "name", f)
+    try:
+        return torch.load(f, map_location=torch.device("cpu"), weights_only=True)
+    except pickle.UnpicklingError as e:  # also _pickle.UnpicklingError (the same class)
+        raise CheckpointRefusedError(name, str(e).splitlines()[0] if str(e) else "") from e
+    except RuntimeError as e:
+        msg = str(e)
+        if "Weights only load failed" in msg:
+            raise CheckpointRefusedError(name, msg.splitlines()[0]) from e
+        if "PytorchStreamReader" in msg or "zip archive" in msg or "inline_container" in msg:
+            raise CheckpointLoadError(name, msg.splitlines()[0][:120]) from e
+        raise
+    except (EOFError, ValueError) as e:  # empty file / legacy format garbage
+        raise CheckpointLoadError(name, f"{type(e).__name__}: {e}".splitlines()[0][:120]) \
+            from e
 
 
 def export_model_only(model, path):
@@ -148,8 +264,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(
+        err = pickle.UnpicklingError(
             f"Refusing to unpickle global '{module}.{name}' from a .pkl checkpoint")
+        err.global_name = f"{module}.{name}"
+        raise err
 
 
 class AtomicCheckpointer(DetectionCheckpointer):
@@ -183,7 +301,13 @@ class AtomicCheckpointer(DetectionCheckpointer):
     def _load_file(self, filename):
         if filename.endswith(".pkl"):
             with open(filename, "rb") as f:
-                data = _RestrictedUnpickler(f, encoding="latin1").load()
+                try:
+                    data = _RestrictedUnpickler(f, encoding="latin1").load()
+                except pickle.UnpicklingError as e:
+                    what = getattr(e, "global_name", None)
+                    raise CheckpointRefusedError(filename, str(e), reason=(
+                        f"it contains the Python global '{what}', not only numpy arrays and "
+                        "plain values (.pkl)") if what else "") from e
             # Same conversions as DetectionCheckpointer for model-zoo files.
             if "model" in data and "__author__" in data:
                 self.logger.info(f"Reading a file from '{data['__author__']}'")

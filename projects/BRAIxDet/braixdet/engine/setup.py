@@ -2,10 +2,10 @@
 import logging
 import os
 
-import torch
 from detectron2.config import get_cfg
 
 from ..config import add_braixdet_config
+from .checkpoint import safe_torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def register_and_assign_datasets(cfg):
 
 def load_inference_weights(model, path, prefer_teacher=True):
     """Load a checkpoint for inference: the teacher when the file holds one (stage 2 SSL)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = safe_torch_load(path)  # one-line CheckpointRefusedError for a crafted pickle
     state = ckpt.get("teacher") if prefer_teacher and "teacher" in ckpt else ckpt.get("model", ckpt)
     incompatible = model.load_state_dict(state, strict=False)
     if incompatible.missing_keys:

@@ -180,8 +180,10 @@ def load_classifier_weights_from_cfg(detector, cfg) -> Optional[Dict]:
     path = cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER
     if not path:
         return None
+    from ..engine.checkpoint import safe_torch_load  # local: engine imports modeling
+
     with PathManager.open(path, "rb") as f:
-        ckpt = torch.load(f, map_location="cpu", weights_only=True)
+        ckpt = safe_torch_load(f)  # one-line CheckpointRefusedError for a crafted pickle
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else ckpt
     report = load_classifier_weights(detector, state)
     if report["mismatched"]:
