@@ -274,3 +274,441 @@ def test_cbis_hostile_cells_reported_with_line(synthetic_root, tmp_path, case):
     assert e["reason"] == "bad_row", e
     assert f"{name}:2" in e["detail"] or (e["path"] == path and "line 2" in e["detail"]), e
     assert len(dicts) >= len(good) - 1
+
+
+# ------------------------------------------------------------------------------ train_net helpers
+def _train_net():
+    import importlib
+    import sys
+
+    from _train_helpers import REPO
+
+    tools = os.path.join(REPO, "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module("train_net")
+
+
+def _tiny(synthetic_root, tmp_path, out, stage="mvccl", **kw):
+    from _train_helpers import tiny_opts
+
+    return tiny_opts(synthetic_root.root, out, tmp_path / "cache", stage=stage, **kw)
+
+
+def _cli(stage, opts, *args):
+    """tools/train_net.py in this process: (exit status, last line of stderr)."""
+    import contextlib
+    import io
+
+    from _train_helpers import CONFIGS
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = _train_net().cli(["--config-file", CONFIGS[stage], *args, *map(str, opts)])
+    lines = err.getvalue().strip().splitlines()
+    return rc, (lines[-1] if lines else ""), err.getvalue()
+
+
+# ------------------------------------------------------------------------------ OUTPUT_DIR lock
+def test_second_run_on_same_output_dir_is_refused(synthetic_root, tmp_path):
+    """A running train_net holds OUTPUT_DIR: a second one exits 1 with one line and writes
+    nothing; the first keeps running. After a SIGKILL its stale lock is taken over."""
+    import re
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from _train_helpers import REPO, popen_train_net, train_net_cmd
+
+    from braixdet.engine.output_lock import acquire_output_lock
+
+    out = tmp_path / "out"
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=100_000,
+                 extra=["DATASETS.TEST", "()"])
+    first = popen_train_net("mvccl", opts, log_path=tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 180
+        while not re.search(r"Starting training from iteration",
+                            (tmp_path / "first.log").read_text(errors="replace")):
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        lock_before = (out / ".lock").read_text()
+        listing = sorted(os.listdir(out))
+        log_before = (out / "log.txt").read_text()
+        config_before = (out / "config.yaml").read_bytes()
+
+        second = subprocess.run(train_net_cmd("mvccl", opts), cwd=REPO, timeout=240,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        text = second.stdout.decode(errors="replace").strip()
+        assert second.returncode == 1, text[-3000:]
+        last = text.splitlines()[-1]
+        want = (rf"error: OUTPUT_DIR {re.escape(str(out))} is in use by another run \(pid "
+                rf"{first.pid} on host {re.escape(socket.gethostname())}, started [0-9: -]+\); "
+                r"use another OUTPUT_DIR or stop that run")
+        assert re.fullmatch(want, last), last
+        assert "Traceback" not in text and text.count("error:") == 1, text[-3000:]
+        # the first run is unaffected: still running, nothing of the second in its folder
+        assert first.poll() is None
+        assert (out / ".lock").read_text() == lock_before
+        assert sorted(os.listdir(out)) == listing
+        assert (out / "config.yaml").read_bytes() == config_before
+        assert (out / "log.txt").read_text().startswith(log_before)
+        assert (out / "log.txt").read_text().count("Command line arguments") == 1
+
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    # the dead run's lock file is still there, naming it; the next run takes it over
+    assert json.loads((out / ".lock").read_text())["pid"] == first.pid
+    lock = acquire_output_lock(out)
+    try:
+        assert lock.took_over["pid"] == first.pid
+    finally:
+        lock.release()
+    assert not (out / ".lock").exists()
+
+
+def _dead_pid():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_lock_of_dead_process_is_taken_over(tmp_path, caplog):
+    import socket
+
+    from braixdet.engine.output_lock import OutputDirInUseError, acquire_output_lock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    pid = _dead_pid()
+    (out / ".lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
+                                           "started": "2020-01-01 00:00:00"}))
+    with caplog.at_level(logging.WARNING, logger="braixdet.engine.output_lock"):
+        lock = acquire_output_lock(out)
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert lock.took_over["pid"] == pid
+    assert f"taking over the stale lock of pid {pid}" in msg and "no longer running" in msg
+    assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
+    assert acquire_output_lock(out) is lock  # re-entrant in one process
+    lock.release()
+    assert not (out / ".lock").exists()
+    with acquire_output_lock(out):  # clean again: no takeover
+        pass
+    # a live holder (here: an open flock of another open file description) refuses
+    import fcntl
+
+    other = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
+    os.write(other, json.dumps({"pid": 1, "host": "h", "started": "s"}).encode())
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(OutputDirInUseError) as e:
+            acquire_output_lock(out)
+        assert str(e.value) == (f"OUTPUT_DIR {out} is in use by another run (pid 1 on host h, "
+                                "started s); use another OUTPUT_DIR or stop that run")
+    finally:
+        os.close(other)
+
+
+def test_lock_without_flock_uses_pid_and_host(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import socket
+
+    from braixdet.engine import output_lock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    out = tmp_path / "out"
+    out.mkdir()
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}
+    (out / ".lock").write_text(json.dumps(me))  # a live process on this host
+    with pytest.raises(output_lock.OutputDirInUseError):
+        output_lock.OutputDirLock(out).acquire()
+    (out / ".lock").write_text(json.dumps(dict(me, pid=_dead_pid())))
+    lock = output_lock.OutputDirLock(out).acquire()
+    assert lock.took_over and lock.info["pid"] == os.getpid()
+    lock.release()
+
+
+# ------------------------------------------------------------------------------ preflight
+def _registered_cfg(synthetic_root, tmp_path, stage="braixdet", extra=()):
+    from _train_helpers import CONFIGS, tiny_opts
+
+    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+
+    cfg = build_cfg(CONFIGS[stage], tiny_opts(synthetic_root.root, tmp_path / "out",
+                                              tmp_path / "cache", stage=stage, extra=extra))
+    register_and_assign_datasets(cfg)
+    return cfg
+
+
+def test_preflight_empty_validation_split_fails_before_training(synthetic_root, tmp_path):
+    """Stage 1 evaluates on (val, test): with VAL_FRACTION 0 the validation split is empty. The
+    run used to train, write model_final and only then fail in the final evaluation."""
+    out = tmp_path / "out"
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=2,
+                 extra=["DATASETS.BRAIXDET.VAL_FRACTION", "0.0"])
+    rc, last, err = _cli("mvccl", opts)
+    assert rc == 1
+    assert last == ("error: DATASETS.TEST: dataset 'cbis_ddsm_val_s0' is empty; it is the "
+                    "validation split: raise DATASETS.BRAIXDET.VAL_FRACTION or set DATASETS.TEST "
+                    "to other datasets"), err[-2000:]
+    assert "Traceback" not in err
+    assert not [f for f in os.listdir(out) if f.endswith(".pth") or f == "last_checkpoint"]
+    assert "PreflightError" in (out / "log.txt").read_text()  # the traceback is in the log
+    assert not (out / ".lock").exists()  # released
+
+
+@pytest.mark.parametrize("key,value,reason", [
+    ("MODEL.WEIGHTS", "{tmp}/missing.pth", "MODEL.WEIGHTS: no such file {tmp}/missing.pth"),
+    ("MODEL.WEIGHTS", "{tmp}/empty.pth", "MODEL.WEIGHTS: {tmp}/empty.pth is empty"),
+    ("MODEL.WEIGHTS", "{tmp}", "MODEL.WEIGHTS: {tmp} is not a file"),
+    ("MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "{tmp}/stage1/model_final.pth",
+     "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER: no such file {tmp}/stage1/model_final.pth"),
+    ("SSL.CAM_JSON", "{tmp}/cam.json", "SSL.CAM_JSON: no such file {tmp}/cam.json"),
+    ("SSL.CAM_JSON", "{tmp}/bad.json", "SSL.CAM_JSON: {tmp}/bad.json is not valid JSON"),
+    ("MODEL.BRAIXDET.PRETRAINED", "{tmp}/effnet.pth",
+     "MODEL.BRAIXDET.PRETRAINED: no such file {tmp}/effnet.pth"),
+    ("DATASETS.TRAIN_WEAK", "('no_such_dataset',)",
+     "DATASETS.TRAIN_WEAK: dataset 'no_such_dataset' is not registered"),
+    ("OUTPUT_DIR", "{tmp}/empty.pth/out", "OUTPUT_DIR: cannot write to {tmp}/empty.pth/out"),
+])
+def test_preflight_names_key_file_and_reason(synthetic_root, tmp_path, key, value, reason):
+    from braixdet.engine.preflight import PreflightError, check_before_training
+
+    (tmp_path / "empty.pth").write_bytes(b"")
+    (tmp_path / "bad.json").write_text("{not json")
+    extra = [key, value.format(tmp=tmp_path), "SSL.ENABLED", "True"]
+    cfg = _registered_cfg(synthetic_root, tmp_path, extra=extra)
+    with pytest.raises(PreflightError) as e:
+        check_before_training(cfg)
+    msg = str(e.value)
+    assert msg.startswith(reason.format(tmp=tmp_path)) and "\n" not in msg, msg
+
+
+def test_preflight_accepts_named_pretrained_sources_and_resume(synthetic_root, tmp_path):
+    from braixdet.engine.preflight import PreflightError, check_before_training
+
+    for source in ("imagenet", "efficientnet-lite0-package"):  # not files: left to the backbone
+        cfg = _registered_cfg(synthetic_root, tmp_path,
+                              extra=["MODEL.BRAIXDET.PRETRAINED", source])
+        check_before_training(cfg)
+    # --resume with a checkpoint in OUTPUT_DIR ignores MODEL.WEIGHTS (not read)
+    cfg = _registered_cfg(synthetic_root, tmp_path,
+                          extra=["MODEL.WEIGHTS", str(tmp_path / "gone.pth")])
+    with pytest.raises(PreflightError):
+        check_before_training(cfg, resume=True)
+    (tmp_path / "out" / "last_checkpoint").write_text("model_0000001.pth")
+    check_before_training(cfg, resume=True)
+    with pytest.raises(PreflightError, match="MODEL.WEIGHTS: no such file"):
+        check_before_training(cfg, eval_only=True)
+
+
+def test_preflight_disk_space(monkeypatch, tmp_path):
+    import types
+
+    import torch
+
+    from braixdet.engine import preflight
+    from braixdet.engine.setup import build_cfg
+
+    cfg = build_cfg(opts=["OUTPUT_DIR", str(tmp_path), "SOLVER.MAX_ITER", "100",
+                          "SOLVER.CHECKPOINT_PERIOD", "10"])
+    model = torch.nn.Linear(1000, 1000)  # 4 MB of weights -> ~12 MB with Adam's moments
+    trainer = types.SimpleNamespace(model=model, start_iter=0)
+    assert preflight.checkpoint_size_estimate(model) == 3 * 1001 * 1000 * 4
+    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 20 << 20)
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.check_disk_space(cfg, trainer)
+    assert str(e.value) == (f"OUTPUT_DIR: 20 MB free on {tmp_path}, a checkpoint needs about "
+                            "29 MB; free some space or use another OUTPUT_DIR")
+    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 40 << 20)
+    preflight.check_disk_space(cfg, trainer)  # room for one: ok (a warning for all ten)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling would create the marker file
+        return (open, (self.marker, "w"))
+
+
+def _crafted(d):
+    import pickle
+
+    import torch
+
+    marker = d / "pwned"
+    zipped = d / "model_final.pth"
+    torch.save({"model": {"w": torch.zeros(1)}, "payload": _Evil(str(marker))}, zipped)
+    legacy = d / "legacy.pth"
+    with open(legacy, "wb") as f:
+        pickle.dump(_Evil(str(marker)), f, protocol=2)
+    pkl = d / "zoo.pkl"
+    with open(pkl, "wb") as f:
+        pickle.dump({"model": _Evil(str(marker))}, f, protocol=2)
+    return marker, zipped, legacy, pkl
+
+
+def _refusal(path):
+    return (f"refusing to load {path}: it contains Python objects other than tensors and plain "
+            "values (weights_only)")
+
+
+def test_refused_checkpoint_is_one_line_naming_the_file(tmp_path):
+    import pickle
+
+    import torch
+
+    from braixdet.engine.checkpoint import (
+        AtomicCheckpointer,
+        CheckpointLoadError,
+        CheckpointRefusedError,
+    )
+    from braixdet.engine.setup import build_cfg, load_inference_weights
+    from braixdet.modeling.rcnn import load_classifier_weights_from_cfg
+
+    marker, zipped, legacy, pkl = _crafted(tmp_path)
+    model = torch.nn.Linear(1, 1)
+    for path in (zipped, legacy):
+        for load in (lambda p: load_inference_weights(model, str(p)),
+                     lambda p: AtomicCheckpointer(model).load(str(p))):
+            with pytest.raises(CheckpointRefusedError) as e:
+                load(path)
+            assert str(e.value) == _refusal(path)
+            assert isinstance(e.value, pickle.UnpicklingError)  # as before, more precise
+        cfg = build_cfg(opts=["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", str(path)])
+        with pytest.raises(CheckpointRefusedError) as e:
+            load_classifier_weights_from_cfg(None, cfg)
+        assert str(e.value) == _refusal(path)
+    with pytest.raises(CheckpointRefusedError) as e:
+        AtomicCheckpointer(model).load(str(pkl))
+    assert str(e.value) == (f"refusing to load {pkl}: it contains the Python global "
+                            "'io.open', not only numpy arrays and plain values (.pkl)")
+    assert not marker.exists()
+    # a truncated checkpoint: one line too
+    good = tmp_path / "good.pth"
+    torch.save({"model": model.state_dict()}, good)
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointLoadError) as e:
+        load_inference_weights(model, str(cut))
+    assert str(e.value).startswith(f"cannot load checkpoint {cut}: not a complete PyTorch "
+                                   "checkpoint") and "\n" not in str(e.value)
+
+
+def test_refused_checkpoint_through_train_net(synthetic_root, tmp_path):
+    """--eval-only with a crafted MODEL.WEIGHTS and a stage-2 run with a crafted
+    INIT_FROM_CLASSIFIER both end with the one refusal line (traceback in the log only)."""
+    d = tmp_path / "evil"
+    d.mkdir()
+    marker, zipped, legacy, _ = _crafted(d)
+    out = tmp_path / "eval"
+    opts = _tiny(synthetic_root, tmp_path, out, extra=["MODEL.WEIGHTS", str(zipped)])
+    rc, last, err = _cli("mvccl", opts, "--eval-only")
+    assert rc == 1 and last == f"error: {_refusal(zipped)}", err[-2000:]
+    assert "Traceback" not in err
+    assert "UnpicklingError" in (out / "log.txt").read_text()
+
+    out = tmp_path / "stage2"
+    opts = _tiny(synthetic_root, tmp_path, out, stage="faster_rcnn", init_from=legacy,
+                 max_iter=1)
+    rc, last, err = _cli("faster_rcnn", opts)
+    assert rc == 1 and last == f"error: {_refusal(legacy)}", err[-2000:]
+    assert not [f for f in os.listdir(out) if f.endswith(".pth")]
+    assert not marker.exists()
+
+
+class _FullDisk:
+    """os.fdopen whose binary files raise ENOSPC once ``budget`` bytes were written."""
+
+    def __init__(self, real_fdopen, budget=2000, only=""):
+        self.real, self.budget, self.only = real_fdopen, budget, only
+
+    def __call__(self, fd, mode="r", *a, **k):
+        import errno
+        import io
+
+        f = self.real(fd, mode, *a, **k)
+        name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else ""
+        if "b" not in mode or self.only not in os.path.basename(name):
+            return f
+        budget = [self.budget]
+
+        class Full(io.BufferedWriter):
+            def write(self, b):
+                budget[0] -= len(b)
+                if budget[0] < 0:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return super().write(b)
+
+        return Full(f.detach())
+
+
+@pytest.mark.parametrize("how", ["enospc_from_write", "torch_runtime_error"])
+def test_checkpoint_write_failure_keeps_previous(tmp_path, monkeypatch, how):
+    import torch
+
+    from braixdet.engine import checkpoint as ck
+
+    model = torch.nn.Linear(64, 64)
+    saver = ck.AtomicCheckpointer(model, str(tmp_path))
+    saver.save("model_0000000")
+    before = (tmp_path / "model_0000000.pth").read_bytes()
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    if how == "enospc_from_write":
+        monkeypatch.setattr(os, "fdopen", _FullDisk(os.fdopen))
+    else:
+        def failing_save(obj, f, *a, **k):
+            f.write(b"PK\x03\x04 partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter "
+                               "failed writing file data/0: file write failed")
+
+        monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(ck.CheckpointWriteError) as e:
+        saver.save("model_0000999")
+    monkeypatch.undo()
+    msg, path = str(e.value), tmp_path / "model_0000999.pth"
+    what = "no space left on device" if how == "enospc_from_write" else "write failed ("
+    assert msg.startswith(f"{what}") and f"while writing checkpoint {path} (free: " in msg, msg
+    assert msg.endswith(" MB); the previous checkpoint is intact") and "\n" not in msg, msg
+    assert sorted(os.listdir(tmp_path)) == ["last_checkpoint", "model_0000000.pth"]  # no temp
+    assert (tmp_path / "last_checkpoint").read_text() == "model_0000000.pth"
+    assert (tmp_path / "model_0000000.pth").read_bytes() == before
+    fresh = torch.nn.Linear(64, 64)
+    ck.AtomicCheckpointer(fresh, str(tmp_path)).resume_or_load("", resume=True)
+    assert torch.equal(fresh.weight, saved)  # the state from before the failure
+
+
+def test_disk_full_during_training_ends_with_one_line(synthetic_root, tmp_path, monkeypatch):
+    """train_net: the second periodic checkpoint hits ENOSPC -> one error line last, the first
+    checkpoint intact and resumable."""
+    out = tmp_path / "out"
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=3, ckpt_period=1,
+                 extra=["DATASETS.TEST", "()"])
+    monkeypatch.setattr(os, "fdopen", _FullDisk(os.fdopen, budget=0, only=".model_0000001.pth"))
+    rc, last, err = _cli("mvccl", opts)
+    monkeypatch.undo()
+    assert rc == 1
+    assert last.startswith("error: no space left on device while writing checkpoint "
+                           f"{out}/model_0000001.pth (free: ") and \
+        last.endswith("MB); the previous checkpoint is intact"), err[-3000:]
+    assert sorted(f for f in os.listdir(out) if "model" in f) == ["model_0000000.pth"]
+    assert (out / "last_checkpoint").read_text() == "model_0000000.pth"
+    assert not (out / ".lock").exists()

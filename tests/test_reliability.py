@@ -285,6 +285,11 @@ def test_crafted_checkpoint_is_refused(work):
                        stderr=subprocess.STDOUT, timeout=240)
     log = p.stdout.decode(errors="replace")
     assert p.returncode != 0, log[-3000:]
+    # the user gets one line naming the file and the reason; the traceback is in log.txt
+    assert log.strip().splitlines()[-1] == (
+        f"error: refusing to load {weights}: it contains Python objects other than tensors and "
+        "plain values (weights_only)"), log[-3000:]
+    log = (d / "out" / "log.txt").read_text()
     assert "Weights only load failed" in log or "UnpicklingError" in log, log[-3000:]
     assert not marker.exists()
 

@@ -1,0 +1,232 @@
+"""Checks that can run before training do: fail in seconds, not after hours.
+
+``check_before_training(cfg, resume, eval_only)`` (after the datasets are registered, before the
+trainer is built, on the main process):
+
+* every dataset the run will use is registered, loads and is non-empty: DATASETS.TRAIN,
+  DATASETS.TEST (the final evaluation always runs; an empty validation split used to fail only
+  after model_final was written) and DATASETS.TRAIN_WEAK when SSL.ENABLED;
+* the files the run will read exist, are files and can be read: MODEL.WEIGHTS (unless
+  ``--resume`` finds a checkpoint; URLs such as ``detectron2://`` are left to the loader),
+  MODEL.BRAIXDET.INIT_FROM_CLASSIFIER, SSL.CAM_JSON (when SSL.USE_CAM; also parsed as JSON) and
+  MODEL.BRAIXDET.PRETRAINED when it is a path (it may also name a source such as ``imagenet``:
+  only values with a path separator or a .pth/.pt/.safetensors/.bin suffix are files);
+* OUTPUT_DIR is writable.
+
+``check_disk_space(cfg, trainer)`` (after the trainer is built, before its first step): the
+folder must have room for one checkpoint, estimated as the model's state bytes x (1 + optimizer
+slots: 2 for Adam, 1 for SGD momentum) + the teacher's state bytes (stage 2 SSL), plus 10 % and
+16 MB; it warns when the planned periodic checkpoints would not all fit.
+
+Every failure raises ``PreflightError``: one line naming the config key, the file or dataset and
+the reason. ``user_error_line(exc)`` turns any exception into the one line a tool prints last.
+"""
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+__all__ = ["PreflightError", "check_before_training", "check_disk_space",
+           "checkpoint_size_estimate", "user_error_line"]
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".pth", ".pt", ".safetensors", ".bin", ".pkl", ".pyth")
+
+
+class PreflightError(RuntimeError):
+    """A check before training failed; ``str`` is the one-line message."""
+
+
+def _is_url(value):
+    return "://" in value
+
+
+def looks_like_path(value):
+    """A config value meant as a file (vs. a named source such as "imagenet")."""
+    value = str(value)
+    return os.sep in value or "/" in value or value.lower().endswith(_WEIGHT_SUFFIXES)
+
+
+def check_readable_file(key, path):
+    """PreflightError unless ``path`` is a non-empty file this process can read."""
+    if not os.path.exists(path):
+        raise PreflightError(f"{key}: no such file {path}")
+    if not os.path.isfile(path):
+        raise PreflightError(f"{key}: {path} is not a file")
+    try:
+        with open(path, "rb") as f:
+            first = f.read(1)
+    except OSError as e:
+        raise PreflightError(f"{key}: cannot read {path} ({e.strerror or e})") from None
+    if not first:
+        raise PreflightError(f"{key}: {path} is empty")
+
+
+def _check_output_dir(cfg):
+    out = cfg.OUTPUT_DIR
+    if not out:
+        return
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".preflight-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PreflightError(f"OUTPUT_DIR: cannot write to {out} ({e.strerror or e})") from None
+
+
+def _check_files(cfg, resume, eval_only):
+    weights = cfg.MODEL.WEIGHTS
+    resuming = resume and cfg.OUTPUT_DIR and \
+        os.path.isfile(os.path.join(cfg.OUTPUT_DIR, "last_checkpoint"))
+    if eval_only and not weights:
+        raise PreflightError("MODEL.WEIGHTS: empty; --eval-only needs the checkpoint to "
+                             "evaluate (MODEL.WEIGHTS path/to/model_final.pth)")
+    if weights and not _is_url(weights) and not (resuming and not eval_only):
+        check_readable_file("MODEL.WEIGHTS", weights)
+    b = cfg.MODEL.BRAIXDET
+    if b.get("INIT_FROM_CLASSIFIER", "") and cfg.MODEL.META_ARCHITECTURE != "MVCCLClassifier":
+        check_readable_file("MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", b.INIT_FROM_CLASSIFIER)
+    pretrained = str(b.get("PRETRAINED", "") or "")
+    if pretrained and looks_like_path(pretrained) and not _is_url(pretrained):
+        check_readable_file("MODEL.BRAIXDET.PRETRAINED", pretrained)
+    s = cfg.get("SSL", None)
+    if s is not None and s.ENABLED and s.USE_CAM and s.CAM_JSON and not eval_only:
+        check_readable_file("SSL.CAM_JSON", s.CAM_JSON)
+        try:
+            with open(s.CAM_JSON, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise PreflightError(f"SSL.CAM_JSON: {s.CAM_JSON} is not valid JSON "
+                                 f"({str(e).splitlines()[0][:80]})") from None
+        if not isinstance(data, dict):
+            raise PreflightError(f"SSL.CAM_JSON: {s.CAM_JSON} is not the JSON object written "
+                                 "by tools/gradcam_pseudo_labels.py")
+
+
+def _dataset_roles(cfg, eval_only):
+    roles = [] if eval_only else [("DATASETS.TRAIN", tuple(cfg.DATASETS.TRAIN))]
+    if not eval_only and cfg.get("SSL", None) is not None and cfg.SSL.ENABLED:
+        roles.append(("DATASETS.TRAIN_WEAK", tuple(cfg.DATASETS.get("TRAIN_WEAK", ()))))
+    roles.append(("DATASETS.TEST", tuple(cfg.DATASETS.TEST)))
+    return roles
+
+
+def _check_datasets(cfg, eval_only):
+    from detectron2.data import DatasetCatalog, MetadataCatalog
+
+    from ..data.report import BadInputError
+
+    for key, names in _dataset_roles(cfg, eval_only):
+        if not names and key != "DATASETS.TEST":
+            raise PreflightError(f"{key}: no dataset configured (set DATASETS.BRAIXDET.ROOT, or "
+                                 f"{key} to registered dataset names)")
+        for name in names:
+            if name not in DatasetCatalog.list():
+                raise PreflightError(f"{key}: dataset {name!r} is not registered (check "
+                                     "DATASETS.BRAIXDET.ROOT / NAME or the dataset name)")
+            try:
+                n = len(DatasetCatalog.get(name))
+            except BadInputError:
+                raise  # ON_BAD_INPUT error: already one line naming the file
+            except Exception as e:  # noqa: BLE001 - any loader failure is one line here
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise PreflightError(f"{key}: dataset {name!r} could not be loaded: {msg}") \
+                    from None
+            if n == 0:
+                meta = MetadataCatalog.get(name)
+                hint = ""
+                if meta.get("role", None) == "val":
+                    hint = ("; it is the validation split: raise DATASETS.BRAIXDET.VAL_FRACTION "
+                            "or set DATASETS.TEST to other datasets")
+                elif meta.get("report_path", None):
+                    hint = f"; see the bad-input report {meta.report_path}"
+                raise PreflightError(f"{key}: dataset {name!r} is empty{hint}")
+
+
+def check_before_training(cfg, resume=False, eval_only=False):
+    """Run every check (cheap ones first); raise PreflightError on the first failure."""
+    _check_output_dir(cfg)
+    _check_files(cfg, resume, eval_only)
+    _check_datasets(cfg, eval_only)
+    logger.info("Pre-flight checks passed (datasets, init files, OUTPUT_DIR)")
+
+
+def _state_bytes(module):
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values()
+               if hasattr(t, "element_size"))
+
+
+def checkpoint_size_estimate(model, teacher=None, optimizer="ADAM"):
+    """Bytes of one checkpoint: model state x (1 + optimizer slots) + teacher state."""
+    slots = 2 if str(optimizer).upper() == "ADAM" else 1
+    return _state_bytes(model) * (1 + slots) + (_state_bytes(teacher) if teacher else 0)
+
+
+def _free_bytes(path):
+    return shutil.disk_usage(path).free
+
+
+def check_disk_space(cfg, trainer):
+    """PreflightError when OUTPUT_DIR has no room for one checkpoint (see module doc)."""
+    import torch.nn as nn
+
+    model = trainer.model
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    opt = cfg.SOLVER.get("BRAIXDET", {}).get("OPTIMIZER", "ADAM")
+    size = checkpoint_size_estimate(model, getattr(trainer, "teacher", None), opt)
+    need = int(size * 1.1) + (16 << 20)
+    free = _free_bytes(cfg.OUTPUT_DIR)
+    mb = 1 << 20
+    if free < need:
+        raise PreflightError(f"OUTPUT_DIR: {free / mb:.0f} MB free on {cfg.OUTPUT_DIR}, a "
+                             f"checkpoint needs about {need / mb:.0f} MB; free some space or use "
+                             "another OUTPUT_DIR")
+    period, max_iter = cfg.SOLVER.CHECKPOINT_PERIOD, cfg.SOLVER.MAX_ITER
+    planned = 1 + (max(0, max_iter - 1 - getattr(trainer, "start_iter", 0)) // period
+                   if period > 0 else 0)
+    if free < planned * size:
+        logger.warning("OUTPUT_DIR %s: %.0f MB free, the %d planned checkpoints need about "
+                       "%.0f MB; old ones are kept, so the disk may fill up", cfg.OUTPUT_DIR,
+                       free / mb, planned, planned * size / mb)
+
+
+# -- the last line of a failed tool ----------------------------------------------------------------
+_KNOWN = ("PreflightError", "OutputDirInUseError", "CheckpointRefusedError",
+          "CheckpointLoadError", "CheckpointWriteError", "CheckpointContentError",
+          "BadInputError", "FloatingPointError")
+
+
+def _first_line(text):
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def user_error_line(exc):
+    """(``error: ...`` line, known) for an exception that ends a tool.
+
+    ``known``: the message is already a cause a user can act on (our one-line errors, bad
+    inputs, a diverging loss, a missing file, a bad config key); otherwise the line names the
+    exception type and the caller should keep the traceback somewhere the user can find it.
+    """
+    name = type(exc).__name__
+    if name in ("ProcessRaisedException", "ProcessExitedException"):  # torch.multiprocessing
+        text = str(exc).strip()
+        last = text.splitlines()[-1].strip() if text else name
+        cls, _, msg = last.partition(": ")
+        cls = cls.rsplit(".", 1)[-1]
+        if msg and cls in _KNOWN:
+            return f"error: {msg}", True
+        return f"error: a training process failed: {last}", False
+    if name in _KNOWN:
+        return f"error: {_first_line(exc)}", True
+    if isinstance(exc, OSError) and exc.filename:
+        return f"error: {exc.strerror or name}: {exc.filename}", True
+    if isinstance(exc, FileNotFoundError):
+        return f"error: {_first_line(exc)}", True
+    if isinstance(exc, KeyError) and "config key" in str(exc):
+        return f"error: config: {exc.args[0]}", True
+    return f"error: unexpected {name}: {_first_line(exc)}", False
