@@ -73,7 +73,7 @@ def config_path(rel):
     return os.path.join(CONFIGS, rel)
 
 
-def build_cfg(config="demo/braixdet.yaml", opts=(), output_dir=None):
+def build_cfg(config="demo/BRAIxDet/braixdet.yaml", opts=(), output_dir=None):
     """braixdet.engine.setup.build_cfg with stage-1 inputs cleared and OUTPUT_DIR set."""
     from braixdet.engine.setup import build_cfg as _build
 

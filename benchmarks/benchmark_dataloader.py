@@ -2,8 +2,8 @@
 """DataLoader cost vs a training iteration at the demo size (target: data_time < 10%).
 
 1. Writes a small synthetic CBIS-DDSM-layout dataset (synthetic_mammo) to a temporary
-   folder and registers it with configs/demo/braixdet.yaml (split dir and canonical cache in the
-   temporary folder too).
+   folder and registers it with configs/demo/BRAIxDet/braixdet.yaml (split dir and canonical
+   cache in the temporary folder too).
 2. Cold vs warm load of one image: ``CanonicalCache.get`` on an empty cache (DICOM decode +
    canonicalisation + 16-bit PNG write; the DICOMs are in the OS page cache, just written) vs on
    the filled cache; plus one warm ``MultiViewDatasetMapper`` call (main + aux + augmentation).
@@ -90,7 +90,7 @@ def cold_warm(cfg, repeats):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="demo/braixdet.yaml", help="relative to configs/")
+    ap.add_argument("--config", default="demo/BRAIxDet/braixdet.yaml", help="relative to configs/")
     ap.add_argument("--patients", type=int, default=12)
     ap.add_argument("--orig", type=int, nargs=2, default=[512, 320], metavar=("H", "W"),
                     help="size of the synthetic original mammograms")

@@ -17,7 +17,7 @@ weights do not change the cost much; the teacher's detections become pseudo-labe
 No GradCAM fusion (SSL.USE_CAM off): after the first 2 epochs of D_w that is the steady state.
 
     .venv/bin/python benchmarks/benchmark_ssl_iteration.py [--batch 2] [--size 256 128]
-        [--repeats 7] [--config demo/braixdet.yaml] [--out table.md] [--profile]
+        [--repeats 7] [--config demo/BRAIxDet/braixdet.yaml] [--out table.md] [--profile]
 """
 import argparse
 import cProfile
@@ -62,7 +62,7 @@ def loaders(size, batch, n_batches=3):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="demo/braixdet.yaml", help="relative to configs/")
+    ap.add_argument("--config", default="demo/BRAIxDet/braixdet.yaml", help="relative to configs/")
     ap.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"),
                     help="canonical size (default: the config's, demo 256 128)")
     ap.add_argument("--batch", type=int, default=2, help="B: SSL uses B full + B weak")

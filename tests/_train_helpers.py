@@ -15,9 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_NET = os.path.join(REPO, "tools", "train_net.py")
 GRADCAM = os.path.join(REPO, "tools", "gradcam_pseudo_labels.py")
 CONFIGS = {
-    "mvccl": os.path.join(REPO, "configs", "demo", "mvccl.yaml"),
-    "braixdet": os.path.join(REPO, "configs", "demo", "braixdet.yaml"),
-    "faster_rcnn": os.path.join(REPO, "configs", "demo", "faster_rcnn.yaml"),
+    "mvccl": os.path.join(REPO, "configs", "demo", "MVCCL", "mvccl.yaml"),
+    "braixdet": os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"),
+    "faster_rcnn": os.path.join(REPO, "configs", "demo", "baselines", "faster_rcnn.yaml"),
 }
 
 

@@ -1,5 +1,9 @@
 """Shared pytest fixtures: one tiny synthetic CBIS-DDSM-style dataset per test session."""
+import os
 import types
+
+# Nothing downloads during tests: timm/huggingface_hub fail fast instead of retrying the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 

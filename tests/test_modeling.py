@@ -306,18 +306,6 @@ def test_load_classifier_weights(tmp_path):
     assert not rep3["missing"] and any(".to_main." in k for k in rep3["dropped"])
 
 
-def test_pretrained_path_is_wired(tmp_path):
-    from braixdet.modeling.backbone import _pretrained_kwargs
-
-    assert _pretrained_kwargs("") == {"pretrained": False}
-    assert _pretrained_kwargs("imagenet") == {"pretrained": True}
-    f = tmp_path / "w.pth"
-    f.write_bytes(b"x")
-    assert _pretrained_kwargs(str(f))["pretrained_cfg_overlay"] == {"file": str(f)}
-    with pytest.raises(FileNotFoundError):
-        _pretrained_kwargs(str(tmp_path / "missing.pth"))
-
-
 def test_single_view_rcnn_ignores_aux():
     model, _ = build(multi_view=False, seed=8)
     inputs = make_inputs(1, seed=3)

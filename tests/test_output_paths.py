@@ -57,7 +57,7 @@ def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_pa
         ds.file_meta.MediaStorageSOPInstanceUID = "1.2.3"
         ds.save_as(inp / f"{i}.dcm", enforce_file_format=True)
 
-    cfg_file = os.path.join(REPO, "configs", "demo", "braixdet.yaml")
+    cfg_file = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
     cfg = build_cfg(cfg_file, ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "",
                                "MODEL.BRAIXDET.PRETRAINED", "", *SIZE])
     weights = str(tmp_path / "w.pth")

@@ -29,9 +29,9 @@ def pipeline_run(synthetic_root, tmp_path_factory):
     cmd = [sys.executable, os.path.join(REPO, "tools", "run_pipeline.py"),
            "--dataset", "cbis_ddsm", "--root", str(synthetic_root.root), "--ratio", "1/8",
            "--out", str(out), "--baseline", "--cam-only",
-           "--mvccl-config", os.path.join(demo, "mvccl.yaml"),
-           "--det-config", os.path.join(demo, "braixdet.yaml"),
-           "--baseline-config", os.path.join(demo, "faster_rcnn.yaml"),
+           "--mvccl-config", os.path.join(demo, "MVCCL", "mvccl.yaml"),
+           "--det-config", os.path.join(demo, "BRAIxDet", "braixdet.yaml"),
+           "--baseline-config", os.path.join(demo, "baselines", "faster_rcnn.yaml"),
            "--opts", *SIZE, "SOLVER.IMS_PER_BATCH", "2", "SOLVER.CHECKPOINT_PERIOD", "100",
            "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "2",
            "--mvccl-opts", "SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "0",
@@ -71,8 +71,8 @@ def test_rerun_skips_finished_stages(pipeline_run):
     demo = os.path.join(REPO, "configs", "demo")
     cmd = [sys.executable, os.path.join(REPO, "tools", "run_pipeline.py"), "--dataset",
            "cbis_ddsm", "--root", str(pipeline_run["root"]), "--out", str(out),
-           "--mvccl-config", os.path.join(demo, "mvccl.yaml"),
-           "--det-config", os.path.join(demo, "braixdet.yaml"), "--opts", *SIZE]
+           "--mvccl-config", os.path.join(demo, "MVCCL", "mvccl.yaml"),
+           "--det-config", os.path.join(demo, "BRAIxDet", "braixdet.yaml"), "--opts", *SIZE]
     text = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
                           check=True).stdout
     for stage in ("mvccl", "gradcam", "braixdet"):
@@ -117,7 +117,7 @@ def predictions(pipeline_run, tmp_path_factory):
     for mode in ("shared", "per_pair"):
         dest = tmp_path_factory.mktemp(mode)
         cmd = [sys.executable, os.path.join(REPO, "tools", "predict.py"), "--config-file",
-               os.path.join(REPO, "configs", "demo", "braixdet.yaml"), "--weights",
+               os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"), "--weights",
                str(out / "braixdet" / "model_final.pth"), "--input", *test_dirs[:8], "--out",
                str(dest), "--score-thresh", "0.0", *SIZE]
         if mode == "per_pair":
@@ -184,7 +184,7 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
             "INPUT.BRAIXDET.AUG.ENABLED", "False", "SOLVER.MAX_ITER", "80",
             "SOLVER.BASE_LR", "0.002", "SOLVER.WARMUP_ITERS", "5", "SOLVER.IMS_PER_BATCH", "4",
             "SOLVER.CHECKPOINT_PERIOD", "1000", "TEST.EVAL_PERIOD", "0"]
-    cfg = build_cfg(os.path.join(REPO, "configs", "demo", "braixdet.yaml"), opts)
+    cfg = build_cfg(os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"), opts)
     names = register_and_assign_datasets(cfg)
     malignant = [d for d in DatasetCatalog.get(names["train_full"]) if d.get("annotations")]
     assert len(malignant) >= 4
@@ -198,7 +198,8 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
 
     folders = sorted({os.path.dirname(d["file_name"]) for d in malignant})
     dest = tmp_path / "pred"
-    predict.main(["--config-file", os.path.join(REPO, "configs", "demo", "braixdet.yaml"),
+    config = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
+    predict.main(["--config-file", config,
                   "--weights", weights, "--input", *folders, "--out", str(dest),
                   "--score-thresh", "0.0", "--no-overlays", *SIZE])
     pred = json.loads((dest / "predictions.json").read_text())["images"]

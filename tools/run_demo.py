@@ -102,9 +102,9 @@ def main(argv=None):
     pipe_args = run_pipeline.parse_args([
         "--dataset", "cbis_ddsm", "--root", root, "--ratio", "1/8", "--seed", str(args.seed),
         "--out", out, "--baseline", "--cam-only", "--num-gpus", "1",
-        "--mvccl-config", os.path.join(demo_cfg, "mvccl.yaml"),
-        "--det-config", os.path.join(demo_cfg, "braixdet.yaml"),
-        "--baseline-config", os.path.join(demo_cfg, "faster_rcnn.yaml"),
+        "--mvccl-config", os.path.join(demo_cfg, "MVCCL", "mvccl.yaml"),
+        "--det-config", os.path.join(demo_cfg, "BRAIxDet", "braixdet.yaml"),
+        "--baseline-config", os.path.join(demo_cfg, "baselines", "faster_rcnn.yaml"),
         "--opts", *size, "INPUT.BRAIXDET.CACHE_DIR",
         os.path.join(os.path.abspath(args.out), "cache"),  # survives re-runs (keyed by params)
         "--mvccl-opts", "SOLVER.MAX_ITER", str(spec["mvccl_iters"]),
@@ -116,7 +116,7 @@ def main(argv=None):
     from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
     # the pipeline's own dataset overrides, so the overlays see the same registered split
-    cfg = build_cfg(os.path.join(demo_cfg, "braixdet.yaml"),
+    cfg = build_cfg(os.path.join(demo_cfg, "BRAIxDet", "braixdet.yaml"),
                     [*pipeline.common, "OUTPUT_DIR", os.path.join(out, "overlays_tmp"),
                      "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", ""])
     register_and_assign_datasets(cfg)

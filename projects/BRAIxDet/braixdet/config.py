@@ -17,12 +17,17 @@ def add_braixdet_config(cfg):
 
 
 def _add_model_config(cfg):
-    cfg.MODEL.PIXEL_MEAN = [0.5]  # grey images in [0, 1] (canonical cache)
-    cfg.MODEL.PIXEL_STD = [0.25]
+    # grey images in [0, 1] (canonical cache), normalised as the pretrained weights expect:
+    # the mean of timm's RGB mean / std for TIMM_MODEL (checked when PRETRAINED is set)
+    cfg.MODEL.PIXEL_MEAN = [0.449]
+    cfg.MODEL.PIXEL_STD = [0.226]
     b = cfg.MODEL.BRAIXDET = CN()
-    b.TIMM_MODEL = "efficientnet_b0"  # any timm model with features_only
-    # "" = random init; "imagenet" = timm pretrained weights (needs internet); or a local file
-    b.PRETRAINED = ""
+    b.TIMM_MODEL = "efficientnet_b0"  # any timm model with features_only (paper: EfficientNet-b0)
+    # Encoder init (paper: ImageNet). "imagenet" = timm's weights from the hub (internet once);
+    # "efficientnet-lite0-package" = offline ImageNet weights from the package index (with
+    # TIMM_MODEL tf_efficientnet_lite0, PIXEL_MEAN/STD [0.5]); a local weights file; "" = random.
+    # Not used when MODEL.WEIGHTS or INIT_FROM_CLASSIFIER (detector) provides the encoder.
+    b.PRETRAINED = "imagenet"
     b.IN_CHANS = 1  # grey input; timm adapts the stem (sums RGB kernels) when pretrained
     # timm feature stages exposed as res2..res5 (strides 4, 8, 16, 32)
     b.OUT_FEATURES = ["res3", "res4", "res5"]

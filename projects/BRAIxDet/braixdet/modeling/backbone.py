@@ -1,7 +1,6 @@
 """timm encoder as a detectron2 Backbone, the two-view bottom-up and the FPN builder."""
 import logging
 import math
-import os
 
 import timm
 import torch
@@ -10,6 +9,7 @@ from detectron2.modeling import BACKBONE_REGISTRY, Backbone
 from detectron2.modeling.backbone.fpn import FPN, LastLevelMaxPool
 
 from .lcm import LocalCoOccurrenceModule
+from .pretrained import check_pixel_normalization, create_pretrained
 
 __all__ = [
     "TimmBackbone",
@@ -21,21 +21,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 FUSE_FEATURE = "res5"  # the LCM works on the stride-32 features
-
-
-def _pretrained_kwargs(pretrained: str) -> dict:
-    """timm kwargs for PRETRAINED: "" random, "imagenet" hub download, else a local weights file.
-
-    A local file goes through timm's own loader (pretrained_cfg_overlay) so that the stem is
-    adapted to one input channel exactly as for the hub weights (RGB kernels summed).
-    """
-    if not pretrained:
-        return {"pretrained": False}
-    if pretrained.lower() == "imagenet":
-        return {"pretrained": True}
-    if not os.path.isfile(pretrained):
-        raise FileNotFoundError(f"MODEL.BRAIXDET.PRETRAINED: no such file {pretrained!r}")
-    return {"pretrained": True, "pretrained_cfg_overlay": {"file": pretrained}}
 
 
 class TimmBackbone(Backbone):
@@ -58,10 +43,8 @@ class TimmBackbone(Backbone):
         out_features = sorted(out_features, key=lambda f: int(f[3:]))
         indices = tuple(name_to_idx[f] for f in out_features)
         del probe
-        self.body = timm.create_model(
-            model_name, features_only=True, in_chans=in_chans, out_indices=indices,
-            **_pretrained_kwargs(pretrained),
-        )
+        self.body = create_pretrained(model_name, pretrained, features_only=True,
+                                      in_chans=in_chans, out_indices=indices)
         info = self.body.feature_info
         self._out_features = list(out_features)
         self._out_feature_channels = dict(zip(out_features, info.channels()))
@@ -128,10 +111,22 @@ class MultiViewBottomUp(Backbone):
         return self.fuse(main, aux)
 
 
+def encoder_init(cfg) -> str:
+    """The PRETRAINED value to build the encoder with: none when a checkpoint of this project
+    (MODEL.WEIGHTS, or INIT_FROM_CLASSIFIER for the detector) overwrites the encoder anyway, so
+    inference and stage 2 never need the hub. The normalisation is checked in every case: the
+    checkpoint was trained with it."""
+    b = cfg.MODEL.BRAIXDET
+    check_pixel_normalization(cfg)
+    superseded = cfg.MODEL.WEIGHTS or (b.INIT_FROM_CLASSIFIER
+                                       and cfg.MODEL.META_ARCHITECTURE != "MVCCLClassifier")
+    return "" if superseded else b.PRETRAINED
+
+
 def _encoder_from_cfg(cfg) -> TimmBackbone:
     b = cfg.MODEL.BRAIXDET
     return TimmBackbone(
-        b.TIMM_MODEL, out_features=tuple(b.OUT_FEATURES), pretrained=b.PRETRAINED,
+        b.TIMM_MODEL, out_features=tuple(b.OUT_FEATURES), pretrained=encoder_init(cfg),
         in_chans=b.IN_CHANS,
     )
 
