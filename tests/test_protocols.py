@@ -38,30 +38,100 @@ def _patients(ds):
 @pytest.mark.parametrize("ratio", ["1/16", "1/8", 0.25, "1/2", "3/4"])
 def test_partial_ratios_and_disjointness(ratio):
     dicts = _fake_dicts()
+    src = {d["image_id"]: d for d in dicts}
     out = split_dataset(dicts, "partial", ratio, seed=0, val_fraction=0.1)
     train, val, test = (_patients(out[k]) for k in ("train_all", "val", "test"))
     assert not (train & val) and not (train & test) and not (val & test)
-    assert test == _patients(d for d in dicts if d["split"] == "test")
-    assert len(val) == round(0.1 * len(_patients(d for d in dicts if d["split"] == "train")))
-    # the ratio is over patients with a full malignant image
-    annotated = {d["patient_id"] for d in out["train_all"] if d["label"] == 1
-                 and next(x for x in dicts if x["image_id"] == d["image_id"])[
-                     "annotation_type"] == "full"}
-    kept = {d["patient_id"] for d in out["train_full"] if d["label"] == 1}
-    assert len(kept) == max(1, round(float(parse_ratio(ratio)) * len(annotated)))
-    weak_malignant = {d["patient_id"] for d in out["train_weak"] if d["label"] == 1}
-    assert not (kept & weak_malignant)  # D_s / D_w patient-wise disjoint for annotated cancers
+    assert _patients(out["test_cls"]) == _patients(d for d in dicts if d["split"] == "test")
+    n_train = len(_patients(d for d in dicts if d["split"] == "train"))
+    val_all = {d["patient_id"] for d in dicts if d["split"] == "train"} - train
+    assert len(val_all) == round(0.1 * n_train)
+    # validation and detection test hold fully annotated images only; test_cls every test image
+    for role in ("val", "test"):
+        assert out[role] and all(src[d["image_id"]]["annotation_type"] == "full"
+                                 for d in out[role])
+    assert len(out["test_cls"]) == sum(d["split"] == "test" for d in dicts)
+    # the ratio is over the fully annotated subset, stratified by malignancy
+    full_pats = {d["patient_id"] for d in out["train_all"]
+                 if src[d["image_id"]]["annotation_type"] == "full"}
+    malignant = {p for p in full_pats if any(
+        d["patient_id"] == p and d["label"] == 1 for d in out["train_all"])}
+    kept = _patients(out["train_full"])
+    r = float(parse_ratio(ratio))
+    assert len(kept & malignant) == max(1, round(r * len(malignant)))
+    assert len(kept - malignant) == round(r * len(full_pats - malignant))
+    assert not (kept & _patients(d for d in out["train_weak"]
+                                 if src[d["image_id"]]["annotation_type"] == "full"))
     ids = lambda k: {d["image_id"] for d in out[k]}  # noqa: E731
     assert ids("train_full") | ids("train_weak") == ids("train_all")
     assert not ids("train_full") & ids("train_weak")
     assert all("annotations" not in d and d["annotation_type"] == "weak"
                for d in out["train_weak"])
+    # boxes of converted images are kept aside (pseudo-label quality), never as annotations
+    assert all(d["withheld_annotations"] == src[d["image_id"]]["annotations"]
+               for d in out["train_weak"] if src[d["image_id"]]["annotation_type"] == "full")
     assert all("annotations" in d for d in out["train_full"])
-    # lesion-free full images stay full
-    assert all(d["label"] == 1 or d["annotation_type"] == "weak" for d in out["train_weak"])
-    assert {d["label"] for d in out["train_weak"]} <= {0, 1}
     # inputs untouched
     assert all("annotations" in d for d in dicts if d["annotation_type"] == "full")
+
+
+def _crafted():
+    """40 training patients + 4 test patients, one exam each (L and R breast, CC + MLO):
+    pat00-15: full, malignant left breast; pat16-31: full, lesion-free; pat32-39: weak cancers
+    (left) with a weak lesion-free right breast. Test: one of each kind + one mixed patient."""
+    dicts = []
+
+    def add(p, split, ann, label_left):
+        for lat in "LR":
+            for view in ("CC", "MLO"):
+                label = int(lat == "L" and label_left)
+                kind = ann if isinstance(ann, str) else ann[lat]
+                d = {"image_id": f"{p}_{lat}_{view}", "patient_id": p, "exam_id": p,
+                     "laterality": lat, "view": view, "label": label, "split": split,
+                     "annotation_type": kind}
+                if kind == "full":
+                    d["annotations"] = [{"bbox": [1, 1, 9, 9], "bbox_mode": 0,
+                                         "category_id": 0}] * label
+                dicts.append(d)
+
+    for i in range(40):
+        add(f"pat{i:02d}", "train", "weak" if i >= 32 else "full", i < 16 or i >= 32)
+    add("tst_mal", "test", "full", True)
+    add("tst_free", "test", "full", False)
+    add("tst_weak", "test", "weak", True)
+    add("tst_mixed", "test", {"L": "weak", "R": "full"}, True)
+    return dicts
+
+
+def test_protocol_composition_at_one_eighth_on_a_crafted_dataset():
+    """Counts per role exactly as datasets/README.md documents them."""
+    dicts = _crafted()
+    out = split_dataset(dicts, "partial", "1/8", seed=0, val_fraction=0.1)
+    val_pats = _patients(out["val"])
+    assert len(val_pats) == 4  # round(0.1 * 40)
+    val_full = [d for d in dicts if d["patient_id"] in val_pats and d["annotation_type"] == "full"]
+    assert sorted(d["image_id"] for d in out["val"]) == sorted(d["image_id"] for d in val_full)
+    left = [p for p in (f"pat{i:02d}" for i in range(40)) if p not in val_pats]
+    mal = [p for p in left if int(p[3:]) < 16]
+    free = [p for p in left if 16 <= int(p[3:]) < 32]
+    weak = [p for p in left if int(p[3:]) >= 32]
+    ds = _patients(out["train_full"])
+    assert not ds & set(weak)  # patients without a full image are never in D_s
+    assert len(ds & set(mal)) == max(1, round(len(mal) / 8))
+    assert len(ds & set(free)) == round(len(free) / 8)
+    assert len(out["train_full"]) == 4 * len(ds)
+    assert len(out["train_weak"]) == 4 * (len(left) - len(ds))
+    assert len(out["train_all"]) == 4 * len(left)
+    # test: the fully annotated images (3 patients: 4 + 4 + 2); weak cancers never scored
+    assert sorted(d["image_id"] for d in out["test"]) == sorted(
+        [f"tst_mal_{s}" for s in ("L_CC", "L_MLO", "R_CC", "R_MLO")]
+        + [f"tst_free_{s}" for s in ("L_CC", "L_MLO", "R_CC", "R_MLO")]
+        + ["tst_mixed_R_CC", "tst_mixed_R_MLO"])
+    assert len(out["test_cls"]) == 16
+    neg = split_dataset(dicts, "partial", "1/8", seed=0, test_images="full+negatives")["test"]
+    assert {d["image_id"] for d in neg} - {d["image_id"] for d in out["test"]} == {
+        "tst_weak_R_CC", "tst_weak_R_MLO"}  # weak lesion-free added; weak cancers still out
+    assert all(d["label"] == 0 or d["annotation_type"] == "full" for d in neg)
 
 
 def test_full_protocol():
@@ -122,11 +192,12 @@ def test_register_and_dataset_folder_untouched(synthetic_root, tmp_path):
     assert names == {"train_full": "synthreg_train_full_r1_2_s0",
                      "train_weak": "synthreg_train_weak_r1_2_s0",
                      "train_all": "synthreg_train_all_s0", "val": "synthreg_val_s0",
-                     "test": "synthreg_test"}
+                     "test": "synthreg_test", "test_cls": "synthreg_test_cls"}
     assert register_braixdet_datasets("cbis_ddsm", synthetic_root.root, **kw) == names
     sets = {k: DatasetCatalog.get(v) for k, v in names.items()}
     truth = synthetic_root.summary["truth"]
     assert len(sets["test"]) == sum(bool(t["lesions"]) for t in truth if t["split"] == "test")
+    assert len(sets["test_cls"]) == len(sets["test"])  # CBIS: every listed image is full
     assert len(sets["train_all"]) + len(sets["val"]) + len(sets["test"]) == sum(
         bool(t["lesions"]) for t in truth)
     meta = MetadataCatalog.get(names["train_full"])

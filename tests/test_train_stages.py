@@ -233,7 +233,7 @@ def test_teacher_only_export_loads_into_plain_model(work, ssl_run):
     DetectionCheckpointer(plain).load(path)
     plain.eval()
     teacher = unwrap(t.teacher).eval()
-    loader = build_multiview_test_loader(t.cfg, t.cfg.DATASETS.TEST[0])
+    loader = build_multiview_test_loader(t.cfg, t.cfg.DATASETS.TEST[-1])  # (val, test)
     images, dets = 0, 0
     with torch.no_grad():
         for batch in loader:  # a few test images (batch 1), boxes in original pixels

@@ -85,7 +85,10 @@ def _add_dataset_config(cfg):
     d.PROTOCOL = "partial"  # partial | full
     d.RATIO = "1/8"  # partially labelled ratio of annotated images kept as boxes
     d.SEED = 0  # split seed: same seed -> same split everywhere
-    d.VAL_FRACTION = 0.1  # patient-wise train/val split
+    d.VAL_FRACTION = 0.1  # patient-wise train/val split (val: fully annotated images only)
+    # detection test set: "full" = the fully annotated test images (paper); "full+negatives"
+    # also scores weak label-0 images as lesion-free (weak cancers are never scored)
+    d.TEST_IMAGES = "full"
     d.SPLIT_DIR = ""  # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits
     d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error
     d.VINDR_MALIGNANT_BIRADS = [4, 5]

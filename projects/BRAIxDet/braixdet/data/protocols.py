@@ -1,15 +1,23 @@
-"""Training protocols (paper §4.2, DESIGN §2.4): patient-wise train/val split and D_s / D_w.
+"""Training protocols (paper §4.2): patient-wise splits and the labelled subsets D_s / D_w.
 
-- test: the source's test split (a patient with any test image is a test patient entirely);
-- val: ``val_fraction`` of the train patients (seeded), images kept as they are;
-- "partial" protocol, ratio r: among the remaining train patients that have a fully annotated
-  malignant image, a fraction r of the PATIENTS is sampled; their full images form D_s. The
-  malignant full images of the other patients become weak (boxes withheld, label kept) -> D_w,
-  as do the originally weak ones. **(choice)** Full images with label 0 stay full (they are fully
-  annotated: no lesion to withhold), so D_s = sampled patients' full images + every lesion-free
-  full image, and the ratio is over the malignant annotated subset, as in the paper's counts.
+Roles, all patient-wise (a patient's images are in one role only):
+- ``test``: the detection test set = the FULLY ANNOTATED images of the source's test split (paper:
+  "the testing set is similarly defined as the fully-annotated subset"); lesion-free full images
+  included (they count in the FPPI denominator). ``test_images="full+negatives"`` adds the weak
+  label-0 images as lesion-free; a weak cancer (boxes unknown) is never scored as lesion-free.
+- ``test_cls``: every image of the test split with its label (stage-1 classifier evaluation).
+- ``val``: ``val_fraction`` of the training patients (seeded); their fully annotated images only
+  (paper: the validation set has no weakly annotated cases: they cannot select a detector). Their
+  weak images are used nowhere, so no patient is in training and validation.
+- "partial" protocol, ratio r: the FULLY ANNOTATED SUBSET of the remaining training patients is
+  sub-sampled patient-wise with ratio r; the sampled patients' full images form D_s, every other
+  full image becomes weak (boxes withheld, label kept) and joins the originally weak ones in D_w.
+  The sample is stratified: r of the patients with a full malignant image (at least one) and r
+  of the patients whose full images are all lesion-free, so D_s keeps the subset's cancer mix at
+  every ratio. Weak copies of full images keep their boxes as ``withheld_annotations``, read only
+  to report the quality of pseudo-labels (never by training).
 - "full" protocol: every full image is D_s, the originally weak ones D_w.
-- train_all = D_s ∪ D_w (every non-val train image with its label; stage-1 classifier).
+- ``train_all`` = D_s ∪ D_w (stage-1 classifier, labels only).
 
 Determinism: numpy Generators seeded with (seed, purpose) over SORTED patient ids; no Python hash.
 The split is saved as JSON (image ids per role + parameters) and reused when the parameters and
@@ -26,8 +34,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("train_full", "train_weak", "train_all", "val", "test")
+ROLES = ("train_full", "train_weak", "train_all", "val", "test", "test_cls")
 PROTOCOLS = ("partial", "full")
+TEST_IMAGES = ("full", "full+negatives")
 
 
 def parse_ratio(ratio):
@@ -52,10 +61,10 @@ def _fingerprint(dicts):
     return hashlib.sha256(ids.encode()).hexdigest()[:16]
 
 
-def _params(dicts, protocol, ratio, seed, val_fraction):
+def _params(dicts, protocol, ratio, seed, val_fraction, test_images):
     return {"protocol": protocol,
             "ratio": "1" if protocol == "full" else str(parse_ratio(ratio)),
-            "seed": int(seed), "val_fraction": float(val_fraction),
+            "seed": int(seed), "val_fraction": float(val_fraction), "test_images": test_images,
             "dataset": _fingerprint(dicts)}
 
 
@@ -69,13 +78,22 @@ def _sample(patients, fraction, rng_key, at_least_one):
     return set(patients[i] for i in rng.permutation(len(patients))[:n])
 
 
-def compute_split(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0.1):
+def _is_full(d):
+    return d["annotation_type"] == "full"
+
+
+def compute_split(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0.1,
+                  test_images="full"):
     """Image ids per role (see module doc); pure function of the inputs."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if test_images not in TEST_IMAGES:
+        raise ValueError(f"test images must be one of {TEST_IMAGES}, got {test_images!r}")
     r = parse_ratio(ratio) if protocol == "partial" else Fraction(1)
     test_patients = {d["patient_id"] for d in dicts if d["split"] == "test"}
-    test = [d for d in dicts if d["patient_id"] in test_patients]
+    test_all = [d for d in dicts if d["patient_id"] in test_patients]
+    test = [d for d in test_all if _is_full(d)
+            or (test_images == "full+negatives" and d["label"] == 0)]
     train = [d for d in dicts if d["patient_id"] not in test_patients]
     train_patients = {d["patient_id"] for d in train}
     # keep >= 1 training patient: val takes at most n - 1
@@ -83,33 +101,34 @@ def compute_split(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
                            at_least_one=len(train_patients) > 1)
     if len(val_patients) >= len(train_patients) > 0:
         val_patients.discard(max(val_patients))
-    val = [d for d in train if d["patient_id"] in val_patients]
+    val = [d for d in train if d["patient_id"] in val_patients and _is_full(d)]
     train = [d for d in train if d["patient_id"] not in val_patients]
 
     if protocol == "full":
-        full = [d for d in train if d["annotation_type"] == "full"]
+        full = [d for d in train if _is_full(d)]
     else:
-        annotated = {d["patient_id"] for d in train
-                     if d["annotation_type"] == "full" and d["label"] == 1}
-        kept = _sample(annotated, r, [int(seed), 1], at_least_one=True)
-        full = [d for d in train if d["annotation_type"] == "full"
-                and (d["label"] == 0 or d["patient_id"] in kept)]
+        annotated = {d["patient_id"] for d in train if _is_full(d)}
+        malignant = {d["patient_id"] for d in train if _is_full(d) and d["label"] == 1}
+        kept = (_sample(malignant, r, [int(seed), 1], at_least_one=True)
+                | _sample(annotated - malignant, r, [int(seed), 2], at_least_one=False))
+        full = [d for d in train if _is_full(d) and d["patient_id"] in kept]
     full_ids = {d["image_id"] for d in full}
     weak = [d for d in train if d["image_id"] not in full_ids]
     ids = lambda ds: sorted(d["image_id"] for d in ds)  # noqa: E731
     return {"train_full": ids(full), "train_weak": ids(weak), "train_all": ids(train),
-            "val": ids(val), "test": ids(test)}
+            "val": ids(val), "test": ids(test), "test_cls": ids(test_all)}
 
 
 def split_dataset(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0.1,
-                  split_file=None):
-    """Dataset dicts per role: {"train_full", "train_weak", "train_all", "val", "test"}.
+                  split_file=None, test_images="full"):
+    """Dataset dicts per role (``ROLES``, see the module docstring).
 
     ``train_weak`` dicts (and the converted images inside ``train_all``) are copies with
-    ``annotation_type="weak"`` and no ``annotations``. When ``split_file`` exists with the same
-    parameters and dataset fingerprint it is reused; otherwise the split is computed and written.
+    ``annotation_type="weak"``, no ``annotations`` and the boxes in ``withheld_annotations``.
+    When ``split_file`` exists with the same parameters and dataset fingerprint it is reused;
+    otherwise the split is computed and written.
     """
-    params = _params(dicts, protocol, ratio, seed, val_fraction)
+    params = _params(dicts, protocol, ratio, seed, val_fraction, test_images)
     split = None
     if split_file and os.path.isfile(split_file):
         with open(split_file) as f:
@@ -121,7 +140,7 @@ def split_dataset(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
             logger.warning("Split %s has other parameters or another dataset; recomputing",
                            split_file)
     if split is None:
-        split = compute_split(dicts, protocol, ratio, seed, val_fraction)
+        split = compute_split(dicts, protocol, ratio, seed, val_fraction, test_images)
         if split_file:
             os.makedirs(os.path.dirname(os.path.abspath(split_file)), exist_ok=True)
             tmp = f"{split_file}.tmp{os.getpid()}"
@@ -136,10 +155,11 @@ def split_dataset(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
         d = copy.deepcopy(by_id[image_id])
         if image_id in weak_ids and d["annotation_type"] != "weak":
             d["annotation_type"] = "weak"
-            d.pop("annotations", None)
+            d["withheld_annotations"] = d.pop("annotations", [])
         return d
 
     out = {role: [make(i) for i in split[role] if i in by_id] for role in ROLES}
     logger.info("Split (%s, ratio %s, seed %d): %s", protocol, params["ratio"], seed,
-                ", ".join(f"{k}={len(v)}" for k, v in out.items()))
+                ", ".join(f"{k}={len(v)} ({sum(d['label'] for d in v)} malignant)"
+                          for k, v in out.items()))
     return out

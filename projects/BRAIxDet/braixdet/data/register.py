@@ -1,8 +1,10 @@
 """Register a mammography dataset's protocol splits in detectron2's catalogs.
 
-Five names per (dataset, protocol, ratio, seed), all backed by ONE lazy load of the source:
+Six names per (dataset, protocol, ratio, seed), all backed by ONE lazy load of the source:
 ``{name}_train_full_{rtag}_s{seed}``, ``{name}_train_weak_{rtag}_s{seed}``,
-``{name}_train_all_s{seed}``, ``{name}_val_s{seed}``, ``{name}_test``.
+``{name}_train_all_s{seed}``, ``{name}_val_s{seed}``, ``{name}_test`` (detection: fully
+annotated test images; ``{name}_test_full_neg`` with TEST_IMAGES full+negatives) and
+``{name}_test_cls`` (every test image with its label, for the classifier).
 The bad-input report goes to ``<split_dir>/<name>_report.json``, the split to
 ``<split_dir>/<name>_split_{rtag}_s{seed}.json``; nothing is written inside the dataset root.
 """
@@ -15,7 +17,7 @@ from detectron2.data import DatasetCatalog, MetadataCatalog
 
 from .datasets import LOADERS
 from .datasets.common import is_under
-from .protocols import ROLES, parse_ratio, ratio_tag, split_dataset
+from .protocols import ROLES, TEST_IMAGES, parse_ratio, ratio_tag, split_dataset
 from .report import BadInputReport
 
 logger = logging.getLogger(__name__)
@@ -24,14 +26,15 @@ _LOADED = {}  # RegistrationSpec -> {role: dicts}
 _LOCK = threading.Lock()
 
 
-def dataset_names(name, protocol, ratio, seed):
+def dataset_names(name, protocol, ratio, seed, test_images="full"):
     rtag = ratio_tag(protocol, ratio)
     return {
         "train_full": f"{name}_train_full_{rtag}_s{seed}",
         "train_weak": f"{name}_train_weak_{rtag}_s{seed}",
         "train_all": f"{name}_train_all_s{seed}",
         "val": f"{name}_val_s{seed}",
-        "test": f"{name}_test",
+        "test": f"{name}_test" if test_images == "full" else f"{name}_test_full_neg",
+        "test_cls": f"{name}_test_cls",
     }
 
 
@@ -55,12 +58,16 @@ class RegistrationSpec:
     on_bad_input: str
     malignant_birads: tuple  # vindr_mammo only
     allow_for_processing: bool
+    test_images: str = "full"  # full | full+negatives (protocols.TEST_IMAGES)
 
     @classmethod
     def from_args(cls, fmt, root, name=None, protocol="partial", ratio="1/8", seed=0,
                   val_fraction=0.1, split_dir=None, on_bad_input="skip", csv=None,
-                  malignant_birads=(4, 5), allow_for_processing=False):
+                  malignant_birads=(4, 5), allow_for_processing=False, test_images="full"):
         """The arguments of register_braixdet_datasets, checked; bad ones raise here."""
+        if test_images not in TEST_IMAGES:
+            raise ValueError(f"DATASETS.BRAIXDET.TEST_IMAGES must be one of {TEST_IMAGES}, "
+                             f"got {test_images!r}")
         if fmt not in LOADERS:
             raise ValueError(f"unknown dataset format {fmt!r}; one of {sorted(LOADERS)}")
         if not root or not os.path.isdir(root):
@@ -79,7 +86,7 @@ class RegistrationSpec:
                    seed=seed, val_fraction=float(val_fraction), split_dir=split_dir,
                    on_bad_input=on_bad_input,
                    malignant_birads=tuple(int(b) for b in malignant_birads),
-                   allow_for_processing=bool(allow_for_processing))
+                   allow_for_processing=bool(allow_for_processing), test_images=test_images)
 
     @classmethod
     def from_cfg(cls, cfg):
@@ -91,7 +98,8 @@ class RegistrationSpec:
             split_dir=b.SPLIT_DIR or os.path.join(cfg.OUTPUT_DIR, "splits"),
             on_bad_input=b.ON_BAD_INPUT, csv=b.CSV or None,
             malignant_birads=tuple(b.VINDR_MALIGNANT_BIRADS),
-            allow_for_processing=cfg.INPUT.BRAIXDET.get("ALLOW_FOR_PROCESSING", False))
+            allow_for_processing=cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING,
+            test_images=b.TEST_IMAGES)
 
     @property
     def rtag(self):
@@ -100,7 +108,7 @@ class RegistrationSpec:
     @property
     def names(self):
         """{role: registered name}."""
-        return dataset_names(self.name, self.protocol, self.ratio, self.seed)
+        return dataset_names(self.name, self.protocol, self.ratio, self.seed, self.test_images)
 
     @property
     def split_file(self):
@@ -113,13 +121,14 @@ class RegistrationSpec:
     def registration_key(self, role):
         """What must match for an existing registration of ``role`` to be kept as it is.
 
-        The test set depends only on the source (format, root, csv, name and how it is read),
-        not on protocol, ratio, seed, val_fraction or split_dir: every protocol shares it.
+        The test sets depend only on the source (format, root, csv, name and how it is read)
+        and TEST_IMAGES, not on protocol, ratio, seed, val_fraction or split_dir: every
+        protocol shares them.
         """
-        if role != "test":
+        if role not in ("test", "test_cls"):
             return repr(self)
         return repr((self.format, self.root, self.csv, self.name, self.on_bad_input,
-                     self.malignant_birads, self.allow_for_processing))
+                     self.malignant_birads, self.allow_for_processing, self.test_images))
 
 
 def _load_all(spec):
@@ -142,12 +151,12 @@ def _load_all(spec):
             raise RuntimeError(f"{spec.name}: no usable image in {spec.root} "
                                f"(see {spec.report_path})")
         _LOADED[spec] = split_dataset(dicts, spec.protocol, spec.ratio, spec.seed,
-                                      spec.val_fraction, spec.split_file)
+                                      spec.val_fraction, spec.split_file, spec.test_images)
         return _LOADED[spec]
 
 
 def register(spec):
-    """Register the five role datasets of ``spec`` (lazily loaded); returns {role: name}.
+    """Register the role datasets of ``spec`` (lazily loaded); returns {role: name}.
 
     Registering an equal spec again is a no-op; another spec under the same names replaces the
     old registration.
@@ -173,8 +182,9 @@ def register(spec):
 
 def register_braixdet_datasets(fmt, root, name=None, protocol="partial", ratio="1/8", seed=0,
                                val_fraction=0.1, split_dir=None, on_bad_input="skip", csv=None,
-                               malignant_birads=(4, 5), allow_for_processing=False):
-    """Register the five role datasets (lazily loaded) and return {role: registered name}.
+                               malignant_birads=(4, 5), allow_for_processing=False,
+                               test_images="full"):
+    """Register the role datasets (lazily loaded) and return {role: registered name}.
 
     ``fmt``: cbis_ddsm | vindr_mammo | exam_csv. Calling again with the same arguments is a
     no-op; with other arguments under the same names, the old registration is replaced.
@@ -182,7 +192,8 @@ def register_braixdet_datasets(fmt, root, name=None, protocol="partial", ratio="
     return register(RegistrationSpec.from_args(
         fmt, root, name=name, protocol=protocol, ratio=ratio, seed=seed,
         val_fraction=val_fraction, split_dir=split_dir, on_bad_input=on_bad_input, csv=csv,
-        malignant_birads=malignant_birads, allow_for_processing=allow_for_processing))
+        malignant_birads=malignant_birads, allow_for_processing=allow_for_processing,
+        test_images=test_images))
 
 
 def register_from_cfg(cfg):

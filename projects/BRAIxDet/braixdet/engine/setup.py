@@ -33,10 +33,12 @@ def register_and_assign_datasets(cfg):
         cfg.DATASETS.BRAIXDET.SPLIT_DIR = os.path.join(cfg.OUTPUT_DIR, "splits")
     names = register_from_cfg(cfg)
     if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
-        train, test = (names["train_all"],), (names["val"], names["test"])
+        train, test = (names["train_all"],), (names["val"], names["test_cls"])
         weak = ()
     else:
-        train, test, weak = (names["train_full"],), (names["test"],), (names["train_weak"],)
+        # validation first: it drives ReduceLROnPlateau and the best checkpoint
+        train, test, weak = (names["train_full"],), (names["val"], names["test"]), \
+            (names["train_weak"],)
     if not cfg.DATASETS.TRAIN:
         cfg.DATASETS.TRAIN = train
     if not cfg.DATASETS.TEST:
