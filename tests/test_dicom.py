@@ -8,8 +8,18 @@ from pydicom.data import get_testdata_file
 from pydicom.dataelem import DataElement
 from pydicom.dataset import Dataset
 from pydicom.encaps import encapsulate
-from pydicom.uid import JPEGLosslessSV1
+from pydicom.pixels import get_decoder, pixel_array
+from pydicom.uid import (
+    MPEG2MPML,
+    JPEG2000Lossless,
+    JPEGLossless,
+    JPEGLosslessSV1,
+    JPEGLSLossless,
+    JPEGLSNearLossless,
+    RLELossless,
+)
 
+from braixdet.data import dicom
 from braixdet.data.dicom import pseudonymise, read_dicom_image, read_dicom_meta, write_dicom
 from braixdet.data.report import BadInputError
 
@@ -216,14 +226,19 @@ def test_reason_no_pixel_data(tmp_path):
     assert _reason(_write(tmp_path, PixelData=None)).reason == "no_pixel_data"
 
 
-def test_reason_undecodable_names_syntax(tmp_path):
-    p = _write(tmp_path)
-    ds = pydicom.dcmread(p)
-    ds.file_meta.TransferSyntaxUID = JPEGLosslessSV1  # no decoder installed for it
-    ds.PixelData = encapsulate([b"\xff\xd8\xff\xc3" + b"\x00" * 64 + b"\xff\xd9"])
+def _encapsulated(tmp_path, name, syntax, frame):
+    ds = pydicom.dcmread(_write(tmp_path))
+    ds.file_meta.TransferSyntaxUID = syntax
+    ds.PixelData = encapsulate([frame])
     ds["PixelData"].VR = "OB"
-    ds.save_as(tmp_path / "jl.dcm", enforce_file_format=True)
-    err = _reason(tmp_path / "jl.dcm")
+    ds.save_as(tmp_path / name, enforce_file_format=True)
+    return tmp_path / name
+
+
+def test_reason_undecodable_names_syntax(tmp_path):
+    # a JPEG Lossless decoder is installed, but this codestream is garbage
+    p = _encapsulated(tmp_path, "jl.dcm", JPEGLosslessSV1, b"\xff\xd8" + b"\x00" * 64 + b"\xff\xd9")
+    err = _reason(p)
     assert err.reason == "undecodable" and "JPEG Lossless" in err.detail
 
 
@@ -241,3 +256,139 @@ def test_reason_bad_dimensions(tmp_path, attrs):
 def test_reason_unsupported(tmp_path):
     assert _reason(_write(tmp_path, PhotometricInterpretation="RGB")).reason == "unsupported"
     assert _reason(_write(tmp_path, "f.dcm", NumberOfFrames=2)).reason == "unsupported"
+
+
+# ------------------------------------------------------------------ lossless codecs (issue #14)
+# Real files from pydicom / pydicom-data. Our reader takes MG/CR/DX; these are MR/NM/US/
+# OT images, so the modality gate is widened for them: the decoding path is the same.
+# The no-twin files are checked against pydicom's own reference values (pixels_reference.py).
+@pytest.fixture
+def any_modality(monkeypatch):
+    monkeypatch.setattr(dicom, "ALLOWED_MODALITIES", ("MG", "CR", "DX", "MR", "NM", "US", "OT"))
+
+
+def _testfile(name):
+    path = get_testdata_file(name, download=False)  # never the network
+    assert path, f"{name} is not in pydicom / pydicom-data"
+    return path
+
+
+def _stored(path):
+    """Decoded stored values through the reader's own decoding layer."""
+    ds = pydicom.dcmread(path)
+    meta = dicom._meta_from_ds(path, ds, allow_for_processing=False)
+    return dicom._decode_stored(path, ds, meta)
+
+
+@pytest.mark.parametrize("name, syntax", [
+    ("MR_small_RLE.dcm", RLELossless),
+    ("MR_small_jpeg_ls_lossless.dcm", JPEGLSLossless),
+    ("MR_small_jp2klossless.dcm", JPEG2000Lossless),
+])
+def test_real_lossless_equals_uncompressed_twin(any_modality, name, syntax):
+    a, _ = read_dicom_image(_testfile("MR_small.dcm"))
+    b, mb = read_dicom_image(_testfile(name))
+    assert mb.transfer_syntax == syntax and a.shape == (64, 64)
+    assert np.array_equal(a, b) and a.std() > 0.05
+    assert np.array_equal(_stored(_testfile(name)), _stored(_testfile("MR_small.dcm")))
+
+
+@pytest.mark.parametrize("name, syntax, dtype, checks", [
+    # JPEG Lossless, Process 14 Selection Value 1 (.70)
+    ("JPEG-LL.dcm", JPEGLosslessSV1, np.int16,
+     [((400, slice(124, 132)), [60, 58, 61, 68, 59, 65, 64, 67]),
+      ((600, slice(124, 132)), [3, 1, 2, 0, 2, 1, 2, 0])]),
+    ("JPGLosslessP14SV1_1s_1f_8b.dcm", JPEGLosslessSV1, np.uint8,
+     [((300, slice(512, 520)), [26, 26, 25, 22, 19, 16, 14, 15]),
+      ((600, slice(512, 520)), [45, 43, 41, 38, 33, 30, 26, 21])]),
+    # JPEG-LS lossless (.80) and near-lossless (.81)
+    ("MR_small_jpeg_ls_lossless.dcm", JPEGLSLossless, np.int16,
+     [((0, slice(31, 34)), [422, 319, 361]), ((-1, slice(-3, None)), [1369, 1129, 862])]),
+    ("JPEGLSNearLossless_08.dcm", JPEGLSNearLossless, np.uint8,
+     [((slice(0, 45, 5), 0), [255, 125, 65, 30, 15, 5, 5, 0, 0])]),
+    ("JPEGLSNearLossless_16.dcm", JPEGLSNearLossless, np.uint16,
+     [((slice(0, 45, 5), 0), [65535, 32765, 16385, 4095, 1025, 255, 65, 15, 5])]),
+])
+def test_real_jpeg_lossless_and_jpeg_ls_decode(any_modality, name, syntax, dtype, checks):
+    path = _testfile(name)
+    img, meta = read_dicom_image(path)
+    assert meta.transfer_syntax == syntax and img.dtype == np.float32
+    assert img.shape == (meta.rows, meta.cols) and 0 <= img.min() and img.max() <= 1
+    stored = _stored(path)
+    assert stored.dtype == dtype
+    for index, values in checks:
+        assert stored[index].tolist() == values
+
+
+def test_real_jpeg_lossless_process14_any_selection_value(any_modality, tmp_path):
+    """1.2.840.10008.1.2.4.57 (Process 14, any predictor): the corpus has no such file, but an
+    SV1 codestream is a valid Process 14 one, so the same file relabelled must decode the same."""
+    src = _testfile("JPGLosslessP14SV1_1s_1f_8b.dcm")
+    ds = pydicom.dcmread(src)
+    ds.file_meta.TransferSyntaxUID = JPEGLossless
+    ds.save_as(tmp_path / "p14.dcm", enforce_file_format=True)
+    a, _ = read_dicom_image(src)
+    b, mb = read_dicom_image(tmp_path / "p14.dcm")
+    assert mb.transfer_syntax == "1.2.840.10008.1.2.4.57" and np.array_equal(a, b)
+
+
+def test_rle_of_a_mammogram_equals_native(tmp_path):
+    rng = np.random.default_rng(0)
+    px = (rng.integers(0, 4096, (96, 80)) * (rng.random((96, 80)) < 0.7)).astype(np.uint16)
+    kw = dict(pixels=px, Modality="MG", PhotometricInterpretation="MONOCHROME1")
+    a, _ = read_dicom_image(_write(tmp_path, "native.dcm", **kw))
+    b, mb = read_dicom_image(_write(tmp_path, "rle.dcm", transfer_syntax=RLELossless, **kw))
+    assert mb.transfer_syntax == RLELossless and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("compressed, native", [
+    ("emri_small_RLE.dcm", "emri_small.dcm"),  # 10 frames
+    ("emri_small_jpeg_ls_lossless.dcm", "emri_small.dcm"),
+    ("SC_rgb_rle.dcm", "SC_rgb.dcm"),  # RGB
+    ("SC_rgb_rle_16bit.dcm", "SC_rgb_16bit.dcm"),
+    ("OBXXXX1A_rle.dcm", "OBXXXX1A.dcm"),  # PALETTE COLOR
+])
+def test_real_lossless_twins_the_reader_refuses_still_decode(any_modality, compressed, native):
+    """Multi-frame and colour files are refused by design (``unsupported``), never as
+    ``undecodable``; the installed plugins decode them to their uncompressed twin's values."""
+    path = _testfile(compressed)
+    assert _reason(path).reason == "unsupported"
+    assert np.array_equal(pixel_array(path, raw=True), pixel_array(_testfile(native), raw=True))
+
+
+@pytest.mark.parametrize("syntax", [JPEGLossless, JPEGLosslessSV1, JPEGLSLossless,
+                                    JPEGLSNearLossless, RLELossless])
+def test_lossless_syntaxes_have_a_decoder(syntax):
+    assert get_decoder(syntax).is_available, get_decoder(syntax).missing_dependencies
+
+
+def test_reason_undecodable_when_no_decoder_is_installed(any_modality, tmp_path, monkeypatch):
+    # a syntax nothing decodes (video) ...
+    p = _encapsulated(tmp_path, "v.dcm", MPEG2MPML, b"\x00\x00\x01\xb3" + b"\x00" * 60)
+    err = _reason(p)
+    assert err.reason == "undecodable" and "MPEG2" in err.detail and MPEG2MPML in err.detail
+
+    # ... and JPEG Lossless on an install without its plugin: the error names the syntax, the
+    # file and what to install
+    class _NoPlugin:
+        is_available = False
+        missing_dependencies = ["pylibjpeg - requires pylibjpeg>=2.0 and pylibjpeg-libjpeg>=2.1"]
+
+    monkeypatch.setattr(dicom, "get_decoder", lambda uid: _NoPlugin())
+    err = _reason(_testfile("JPEG-LL.dcm"))
+    assert err.reason == "undecodable" and "Process 14" in err.detail
+    assert JPEGLosslessSV1 in err.detail and "pylibjpeg-libjpeg" in err.detail
+
+
+@pytest.mark.parametrize("name, syntax", [("JPGLosslessP14SV1_1s_1f_8b.dcm", JPEGLosslessSV1),
+                                          ("MR_small_jpeg_ls_lossless.dcm", JPEGLSLossless)])
+def test_reason_jpeg_frame_header_disagrees_with_rows(any_modality, tmp_path, name, syntax):
+    """The codec allocates by the JPEG frame header (SOF): a crafted one that disagrees with
+    Rows/Columns is refused before decoding (it could ask for gigabytes)."""
+    data = bytearray(open(_testfile(name), "rb").read())
+    sof = data.find(b"\xff\xc3" if syntax == JPEGLosslessSV1 else b"\xff\xf7")
+    assert sof > 0
+    data[sof + 5:sof + 7] = (60000).to_bytes(2, "big")  # number of lines
+    (tmp_path / "sof.dcm").write_bytes(bytes(data))
+    err = _reason(tmp_path / "sof.dcm")
+    assert err.reason == "bad_dimensions" and "60000" in err.detail

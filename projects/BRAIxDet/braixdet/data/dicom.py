@@ -26,6 +26,9 @@ from pydicom.uid import (
     ExplicitVRLittleEndian,
     ImplicitVRLittleEndian,
     JPEG2000TransferSyntaxes,
+    JPEGLSTransferSyntaxes,
+    JPEGTransferSyntaxes,
+    RLELossless,
 )
 
 from .report import BadInputError
@@ -298,17 +301,25 @@ def _decode_stored(path, ds, meta):
         except NotImplementedError:
             decoder = None
         if decoder is None or not decoder.is_available:
-            _fail(path, "undecodable", f"{tsyntax.name} ({tsyntax}): no decoder installed")
+            _fail(path, "undecodable", f"{tsyntax.name} ({tsyntax}): no decoder installed"
+                                       + _missing_plugins(decoder))
         nbytes = len(ds.PixelData)
         if expected > (64 << 20) and expected > MAX_COMPRESSION_RATIO * nbytes:
             _fail(path, "bad_dimensions", f"{meta.rows}x{meta.cols} from {nbytes} compressed "
                                           "bytes (decompression bomb?)")
         if tsyntax in JPEG2000TransferSyntaxes:
             _check_j2k_size(path, ds.PixelData, meta.rows, meta.cols)
+        elif tsyntax in JPEGTransferSyntaxes or tsyntax in JPEGLSTransferSyntaxes:
+            _check_jpeg_size(path, ds.PixelData, meta.rows, meta.cols)
 
+    # pylibjpeg: openjpeg is exact for 15/16-bit lossless J2K, libjpeg does 12/16-bit JPEG and
+    # JPEG-LS. RLE: only pydicom's own decoder (pydicom falls back to the next plugin when one
+    # fails, and pylibjpeg-rle, if installed, panics with a BaseException on malformed data).
     plugin = ""
-    if tsyntax.is_encapsulated and "pylibjpeg" in get_decoder(tsyntax).available_plugins:
-        plugin = "pylibjpeg"  # openjpeg: exact for 15/16-bit lossless J2K
+    if tsyntax == RLELossless:
+        plugin = "pydicom"
+    elif tsyntax.is_encapsulated and "pylibjpeg" in get_decoder(tsyntax).available_plugins:
+        plugin = "pylibjpeg"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -327,6 +338,61 @@ def _decode_stored(path, ds, meta):
     if not np.issubdtype(arr.dtype, np.integer):
         _fail(path, "unsupported", f"non-integer pixel data {arr.dtype}")
     return arr
+
+
+def _missing_plugins(decoder):
+    """' (needs X or Y)': what pydicom says would decode it (e.g. pylibjpeg-libjpeg, gdcm)."""
+    needs = [m.split(" - requires ", 1)[-1] for m in
+             getattr(decoder, "missing_dependencies", None) or []]
+    return f" (needs {' or '.join(needs)})" if needs else ""
+
+
+# Start-of-frame markers of ISO 10918 (JPEG: baseline, extended, lossless, ...) and SOF55 of
+# ISO 14495 (JPEG-LS); DHT/JPG/DAC (C4, C8, CC) share the range but are not frame headers.
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC} | {0xF7}
+
+
+def _first_fragment(pixel_data, limit=1 << 16):
+    """Up to ``limit`` bytes of the first fragment of encapsulated pixel data (b"" if odd)."""
+    b = memoryview(pixel_data)
+    if len(b) < 8 or bytes(b[:4]) != b"\xfe\xff\x00\xe0":
+        return b""
+    start = 8 + int.from_bytes(b[4:8], "little")  # skip the Basic Offset Table item
+    if bytes(b[start:start + 4]) != b"\xfe\xff\x00\xe0":
+        return b""
+    size = int.from_bytes(b[start + 4:start + 8], "little")
+    return bytes(b[start + 8:start + 8 + min(size, limit)])
+
+
+def _check_jpeg_size(path, pixel_data, rows, cols):
+    """The JPEG / JPEG-LS frame header (SOF) must agree with Rows/Columns: the codec allocates
+    by the SOF, so a crafted one could ask for gigabytes before any other check."""
+    b = _first_fragment(pixel_data)
+    if b[:2] != b"\xff\xd8":  # no SOI: let the decoder judge
+        return
+    i = 2
+    while i + 4 <= len(b):
+        if b[i] != 0xFF:
+            return
+        marker = b[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # TEM, RSTn: no length
+            i += 2
+            continue
+        if marker in _JPEG_SOF:
+            if i + 9 > len(b):
+                return
+            lines, width = struct.unpack(">HH", b[i + 5:i + 9])
+            # lines == 0: the height comes later in a DNL marker (ISO 10918 B.2.5)
+            if width != cols or lines not in (0, rows):
+                _fail(path, "bad_dimensions", f"JPEG frame header is {width}x{lines}, header "
+                                              f"says {cols}x{rows}")
+            return
+        if marker == 0xDA:  # start of scan without a frame header
+            return
+        i += 2 + int.from_bytes(b[i + 2:i + 4], "big")
 
 
 def _check_j2k_size(path, pixel_data, rows, cols):
