@@ -20,12 +20,12 @@ import io
 import json
 import logging
 import os
-import tempfile
 import zlib
 
 import cv2
 import numpy as np
 
+from ..utils.io import atomic_write_bytes
 from .dicom import read_dicom_image
 from .preprocess import PreprocessParams, canonicalize, transform_from_dict, transform_to_dict
 
@@ -217,22 +217,10 @@ class CanonicalCache:
         if self.ext == ".npy":
             buf = io.BytesIO()
             np.save(buf, q, allow_pickle=False)
-            _atomic_write(stem + ".npy", buf.getvalue())
+            atomic_write_bytes(stem + ".npy", buf.getvalue(), fsync=False)
         else:
             ok, png = cv2.imencode(".png", q, _PNG_PARAMS)
             if not ok:
                 raise RuntimeError(f"PNG encoding failed for {stem}")
-            _atomic_write(stem + ".png", png.tobytes())
-        _atomic_write(stem + ".json", json.dumps(record).encode("utf-8"))
-
-
-def _atomic_write(path, data: bytes):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+            atomic_write_bytes(stem + ".png", png.tobytes(), fsync=False)
+        atomic_write_bytes(stem + ".json", json.dumps(record).encode("utf-8"), fsync=False)

@@ -13,16 +13,15 @@
   is intact``) after removing its temporary file.
 """
 import collections
-import errno
 import logging
 import os
 import pickle
-import shutil
-import tempfile
 
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
 from torch import nn
+
+from ..utils.io import OutputWriteError, atomic_write
 
 __all__ = [
     "AtomicCheckpointer",
@@ -43,6 +42,18 @@ _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.Size, to
                torch.device)
 _DICT_TYPES = (dict, collections.OrderedDict)
 _SEQ_TYPES = (list, tuple, set)
+
+
+class CheckpointWriteError(OutputWriteError):
+    """A checkpoint write failed (e.g. ENOSPC); the file it would have replaced is untouched."""
+
+    what = "checkpoint"
+
+    @staticmethod
+    def unchanged(dirname):
+        return ("the previous checkpoint is intact"
+                if os.path.exists(os.path.join(dirname, "last_checkpoint"))
+                else "no earlier file was changed")
 
 
 class CheckpointContentError(TypeError):
@@ -69,31 +80,6 @@ class CheckpointLoadError(RuntimeError):
                          f"(truncated or another format?){': ' + detail if detail else ''}")
 
 
-class CheckpointWriteError(OSError):
-    """Writing a checkpoint failed (e.g. ENOSPC); the temporary file was removed and the file it
-    would have replaced is untouched. ``str`` is one line naming the file and free space."""
-
-    def __init__(self, path, cause):
-        dirname = os.path.dirname(os.path.abspath(path))
-        code = getattr(cause, "errno", None)
-        try:
-            free = f"{shutil.disk_usage(dirname).free / 2**20:.0f} MB"
-        except OSError:
-            free = "unknown"
-        if code in (errno.ENOSPC, errno.EDQUOT):
-            what = "no space left on device" if code == errno.ENOSPC else "disk quota exceeded"
-        else:
-            what = f"write failed ({getattr(cause, 'strerror', None) or cause})".splitlines()[0]
-        prev = "the previous checkpoint is intact" if os.path.exists(
-            os.path.join(dirname, "last_checkpoint")) else "no earlier file was changed"
-        super().__init__(code or errno.EIO,
-                         f"{what} while writing checkpoint {path} (free: {free}); {prev}")
-        self.path = str(path)
-
-    def __str__(self):
-        return self.strerror
-
-
 def check_checkpoint_content(obj, path="checkpoint"):
     """Raise CheckpointContentError naming the first key whose value would need arbitrary
     unpickling (numpy arrays, custom classes, functions, defaultdict, namedtuples...)."""
@@ -117,98 +103,15 @@ def check_checkpoint_content(obj, path="checkpoint"):
         "Convert it (e.g. numpy -> torch.as_tensor or .tolist()).")
 
 
-def _fsync_dir(dirname):
-    try:
-        fd = os.open(dirname, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_tmp(dirname, basename):
-    # temp files of earlier writes of the same file that were killed before os.replace
-    prefix = f".{basename}."
-    for f in os.listdir(dirname):
-        if f.startswith(prefix) and f.endswith(".tmp"):
-            try:
-                os.unlink(os.path.join(dirname, f))
-            except OSError:
-                pass
-
-
-class _RecordingWriter:
-    """File proxy that remembers the first OSError of a write: torch.save turns it into a
-    RuntimeError ("[enforce fail at inline_container.cc] unexpected pos ...") without errno."""
-
-    def __init__(self, f):
-        self._f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self):
-        try:
-            self._f.flush()
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def __getattr__(self, name):  # seek, tell, truncate, fileno, ...: the file's own
-        return getattr(self._f, name)
-
-
-def _is_write_failure(exc):
-    if isinstance(exc, OSError):
-        return True
-    msg = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in msg for s in ("inline_container", "file write failed", "PytorchStreamWriter",
-                           "No space left"))
-
-
-def _atomic_write(path, write_fn, mode="wb"):
-    """write_fn(f) into a temp file next to ``path``, fsync, then atomically replace ``path``.
-    Single writer per path assumed (the main process), so stale temp files can be removed.
-    A failed write (full disk, I/O error) removes the temp file and raises CheckpointWriteError;
-    ``path`` keeps its previous content."""
-    dirname = os.path.dirname(os.path.abspath(path))
-    os.makedirs(dirname, exist_ok=True)
-    _remove_stale_tmp(dirname, os.path.basename(path))
-    fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    writer = None
-    try:
-        with os.fdopen(fd, mode) as f:
-            writer = _RecordingWriter(f)
-            write_fn(writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, Exception) and not isinstance(e, CheckpointWriteError) and \
-                _is_write_failure(e):
-            cause = (writer.error if writer is not None else None) or e
-            raise CheckpointWriteError(path, cause) from e
-        raise
-    _fsync_dir(dirname)  # make the rename itself durable
-
-
 def atomic_torch_save(data, path):
     """Validate ``data`` (tensors and plain values only), then torch.save it atomically."""
     check_checkpoint_content(data)
-    _atomic_write(path, lambda f: torch.save(data, f))
+    _atomic_save(path, lambda f: torch.save(data, f))
+
+
+def _atomic_save(path, write_fn, mode="wb"):
+    # one writer per checkpoint file (the main process): stale temp files can go
+    atomic_write(path, write_fn, mode, remove_stale=True, error_cls=CheckpointWriteError)
 
 
 def safe_torch_load(f):
@@ -291,12 +194,12 @@ class AtomicCheckpointer(DetectionCheckpointer):
         assert os.path.basename(save_file) == basename, basename
         check_checkpoint_content(data)  # before touching the disk
         self.logger.info(f"Saving checkpoint to {save_file}")
-        _atomic_write(save_file, lambda f: torch.save(data, f))
+        _atomic_save(save_file, lambda f: torch.save(data, f))
         self.tag_last_checkpoint(basename)
 
     def tag_last_checkpoint(self, last_filename_basename: str) -> None:
         save_file = os.path.join(self.save_dir, "last_checkpoint")
-        _atomic_write(save_file, lambda f: f.write(last_filename_basename), mode="w")
+        _atomic_save(save_file, lambda f: f.write(last_filename_basename), mode="w")
 
     def _load_file(self, filename):
         if filename.endswith(".pkl"):

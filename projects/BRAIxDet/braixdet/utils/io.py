@@ -1,0 +1,145 @@
+"""Crash-safe file output: every file this project writes goes through ``atomic_write``.
+
+A temporary file next to the target is written, flushed, fsync'ed and ``os.replace``'d, so a
+reader (or a job killed mid-write) sees either the old file or the complete new one. A write that
+fails (full disk, I/O error) removes its temporary file and raises ``OutputWriteError`` whose
+``str`` is one line a user can act on (``no space left on device while writing X (free: 12 MB);
+...``): torch.save hides the errno behind "inline_container ... unexpected pos", so the first
+OSError of the underlying file is recorded and reported instead.
+"""
+import errno
+import json
+import os
+import shutil
+import tempfile
+
+__all__ = ["OutputWriteError", "atomic_write", "atomic_write_bytes", "atomic_write_json"]
+
+
+class OutputWriteError(OSError):
+    """Writing ``path`` failed; the file it would have replaced is untouched. One-line ``str``."""
+
+    what = "file"
+
+    def __init__(self, path, cause):
+        dirname = os.path.dirname(os.path.abspath(path))
+        code = getattr(cause, "errno", None)
+        try:
+            free = f"{shutil.disk_usage(dirname).free / 2**20:.0f} MB"
+        except OSError:
+            free = "unknown"
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            what = "no space left on device" if code == errno.ENOSPC else "disk quota exceeded"
+        else:
+            what = f"write failed ({getattr(cause, 'strerror', None) or cause})".splitlines()[0]
+        super().__init__(code or errno.EIO, f"{what} while writing {self.what} {path} "
+                                            f"(free: {free}); {self.unchanged(dirname)}")
+        self.path = str(path)
+
+    @staticmethod
+    def unchanged(dirname):
+        return "no earlier file was changed"
+
+    def __str__(self):
+        return self.strerror
+
+
+def _fsync_dir(dirname):
+    try:
+        fd = os.open(dirname, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_tmp(dirname, basename):
+    # temp files of earlier writes of the same file that were killed before os.replace
+    prefix = f".{basename}."
+    for f in os.listdir(dirname):
+        if f.startswith(prefix) and f.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(dirname, f))
+            except OSError:
+                pass
+
+
+class _RecordingWriter:
+    """File proxy that remembers the first OSError of a write (see the module docstring)."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self):
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name):  # seek, tell, truncate, fileno, ...: the file's own
+        return getattr(self._f, name)
+
+
+def _is_write_failure(exc):
+    if isinstance(exc, OSError):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in msg for s in ("inline_container", "file write failed", "PytorchStreamWriter",
+                           "No space left"))
+
+
+def atomic_write(path, write_fn, mode="wb", remove_stale=False, error_cls=OutputWriteError,
+                 fsync=True):
+    """``write_fn(f)`` into a temp file next to ``path``, then atomically replace ``path``.
+
+    ``remove_stale``: delete temp files of earlier killed writes of the same path (only safe
+    with a single writer per path). ``fsync``: make content and rename durable (checkpoints,
+    results); a cache that can be rebuilt may skip it.
+    """
+    dirname = os.path.dirname(os.path.abspath(path))
+    os.makedirs(dirname, exist_ok=True)
+    if remove_stale:
+        _remove_stale_tmp(dirname, os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    writer = None
+    try:
+        with os.fdopen(fd, mode) as f:
+            writer = _RecordingWriter(f)
+            write_fn(writer)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, Exception) and not isinstance(e, OutputWriteError) and \
+                _is_write_failure(e):
+            cause = (writer.error if writer is not None else None) or e
+            raise error_cls(path, cause) from e
+        raise
+    if fsync:
+        _fsync_dir(dirname)  # make the rename itself durable
+
+
+def atomic_write_bytes(path, data: bytes, **kwargs):
+    atomic_write(path, lambda f: f.write(data), "wb", **kwargs)
+
+
+def atomic_write_json(path, obj, indent=None, **kwargs):
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=indent)), "w", **kwargs)
