@@ -18,8 +18,8 @@ from detectron2.config import get_cfg
 from detectron2.modeling import build_model
 
 import braixdet.modeling  # noqa: F401
-from braixdet.cam import gradcam_heatmaps
 from braixdet.config import add_braixdet_config
+from braixdet.ssl.cam_boxes import gradcam_heatmaps
 
 
 def _sync(device):

@@ -1,4 +1,8 @@
-"""Algorithm 1 (GradCAM pseudo-boxes): post-processing and GradCAM vs pytorch-grad-cam."""
+"""Algorithm 1 (GradCAM pseudo-boxes): post-processing, GradCAM / LayerCAM vs pytorch-grad-cam,
+a blob a trained classifier finds, the JSON's resume fingerprint and the quality report."""
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,12 +17,15 @@ from detectron2.modeling import build_model
 from torch import nn
 
 import braixdet.modeling  # noqa: F401
-from braixdet.cam import (
+from braixdet.ssl.cam_boxes import (
+    CamSettings,
     _minmax,
     boxes_to_original,
+    cam_box_quality,
     cam_boxes_from_heatmap,
     gradcam_heatmaps,
     scaled_area_limits,
+    write_cam_boxes,
 )
 
 H, W = 128, 64
@@ -163,3 +170,142 @@ def test_gradcam_matches_pytorch_grad_cam(classifier):
     assert model.training  # mode restored
     model.eval()
     assert big.shape == (2, 2 * H, 2 * W) and np.allclose(big.max(axis=(1, 2)), 1)
+
+
+def _encoder_stage(model, layer):
+    """The timm module whose output is encoder stage ``layer`` (e.g. res4)."""
+    enc = model.bottom_up.encoder
+    idx = enc._out_features.index(layer)
+    return enc.body.get_submodule(enc.body.feature_info.module_name()[idx])
+
+
+def test_layercam_at_res4_matches_pytorch_grad_cam():
+    """LayerCAM on the main view's res4 (encoder stage, both views through one call) equals
+    pytorch-grad-cam's LayerCAM on that module, main rows."""
+    from pytorch_grad_cam import LayerCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    cfg = tiny_classifier_cfg(multi_view=True)
+    cfg.MODEL.BRAIXDET.CAM.TARGET_LAYER = "res4"
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    assert "res4" in model.bottom_up.encoder._out_features  # added for the CAM target
+    g = torch.Generator().manual_seed(1)
+    inputs = [{"image": _blob(g), "aux_image": _blob(g), "label": 1} for _ in range(2)]
+    heat, _ = gradcam_heatmaps(model, inputs, method="layercam", target_layer="res4")
+    x = model.preprocess_image(inputs).tensor
+    with LayerCAM(model=_StackedInput(model), target_layers=[_encoder_stage(model, "res4")]) as c:
+        ref = c(input_tensor=x, targets=[ClassifierOutputTarget(0)] * len(inputs))
+    # the hooked module sees [main, aux] stacked: pytorch-grad-cam returns both, mains first
+    assert ref.shape == (2 * len(inputs), H, W)
+    assert np.abs(heat - ref[: len(inputs)]).max() < 1e-4
+
+
+def _blob_image(rng, center=None):
+    img = 0.25 + 0.05 * rng.standard_normal((H, W)).astype(np.float32)
+    if center is not None:
+        yy, xx = np.mgrid[:H, :W]
+        img += 0.6 * np.exp(-((yy - center[0]) ** 2 + (xx - center[1]) ** 2) / 18.0)
+    return torch.from_numpy(img.clip(0, 1))[None]
+
+
+def test_a_trained_classifier_puts_the_box_on_the_bright_blob():
+    """A classifier (ImageNet Lite0 encoder, the offline source) trained to tell images with a
+    bright blob from plain ones: on a new image, Algorithm 1's box lies on the blob (GradCAM at
+    res5 contains it, LayerCAM at res4 fits it at IoU >= 0.2)."""
+    torch.manual_seed(0)
+    cfg = tiny_classifier_cfg(multi_view=True)
+    cfg.MODEL.BRAIXDET.CAM.TARGET_LAYER = "res4"
+    cfg.MODEL.BRAIXDET.TIMM_MODEL = "tf_efficientnet_lite0"
+    cfg.MODEL.BRAIXDET.PRETRAINED = "efficientnet-lite0-package"
+    cfg.MODEL.PIXEL_MEAN, cfg.MODEL.PIXEL_STD = [0.5], [0.5]
+    model = build_model(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(0)
+
+    def sample(label):
+        c = (rng.integers(20, H - 20), rng.integers(12, W - 12)) if label else None
+        img = _blob_image(rng, c)
+        return {"image": img, "aux_image": img, "label": label}
+
+    model.train()
+    for _ in range(40):
+        batch = [sample(i % 2) for i in range(8)]
+        loss = sum(model(batch).values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    center = (90, 20)
+    test = [{"image": _blob_image(rng, center), "aux_image": _blob_image(rng, center)}]
+    r = 6  # where the blob adds more than 10% of its peak: exp(-r^2 / 18) = 0.1
+    blob = np.array([center[1] - r, center[0] - r, center[1] + r, center[0] + r], float)
+    for method, layer in (("gradcam", "res5"), ("layercam", "res4")):
+        heat, prob = gradcam_heatmaps(model, test, method, layer)
+        assert prob[0] > 0.5, (method, prob)
+        boxes = cam_boxes_from_heatmap(heat[0], 0.5, 4, H * W)
+        assert len(boxes), method
+        top = boxes[np.argmax([heat[0][int(b[1]):int(b[3]), int(b[0]):int(b[2])].max()
+                               for b in boxes])]
+        assert top[0] <= center[1] <= top[2] and top[1] <= center[0] <= top[3], (method, top)
+        if layer == "res4":
+            iou = cam_box_quality({"x": boxes}, [{"image_id": "x", "annotations": [
+                {"bbox": blob.tolist(), "bbox_mode": 0}]}])["lesion_hit_rate"]
+            assert iou == 1.0, boxes
+
+
+def test_quality_counts_hits_on_withheld_boxes():
+    dicts = [
+        {"image_id": "a", "withheld_annotations": [{"bbox": [0, 0, 10, 10], "bbox_mode": 0},
+                                                   {"bbox": [50, 50, 60, 60], "bbox_mode": 0}]},
+        {"image_id": "b", "annotations": [{"bbox": [0, 0, 10, 10], "bbox_mode": 0}]},
+        {"image_id": "c"},  # lesions unknown: not counted
+    ]
+    boxes = {"a": np.array([[1, 1, 11, 11], [20, 20, 30, 30]]), "b": np.zeros((0, 4)),
+             "c": np.array([[0, 0, 5, 5]])}
+    q = cam_box_quality(boxes, dicts)
+    assert q == {"images_with_known_lesions": 2, "boxes": 2, "lesions": 3,
+                 "box_hit_rate": 0.5, "lesion_hit_rate": 1 / 3}
+
+
+class _FakeMapper:
+    """Maps a dict to an input whose boxes are in the canonical = original frame."""
+
+    def __call__(self, d):
+        from detectron2.data.transforms import NoOpTransform, TransformList
+
+        return {"image": _blob(torch.Generator().manual_seed(int(d["image_id"][1:]))),
+                "aux_image": torch.zeros(1, H, W), "label": 1, "image_id": d["image_id"],
+                "transforms": TransformList([NoOpTransform()])}
+
+
+def test_resume_only_with_the_same_weights_and_settings(classifier, tmp_path, caplog):
+    model, _ = classifier
+    dicts = [{"image_id": f"i{k}", "height": H, "width": W, "label": 1} for k in range(3)]
+    w1, w2 = tmp_path / "w1.pth", tmp_path / "w2.pth"
+    w1.write_bytes(b"one")
+    w2.write_bytes(b"two")
+    out = str(tmp_path / "cam.json")
+    settings = CamSettings(tau=0.5, min_area=1, max_area=H * W, canonical_size=(H, W))
+    # a killed run with weights w1 left one (fake) record behind
+    from braixdet.ssl.cam_boxes import fingerprint
+
+    fake = {"image_id": "i0", "boxes": [[1, 2, 3, 4]], "scores": [0.5]}
+    with open(out + ".partial.jsonl", "w") as f:
+        f.write(json.dumps({"fingerprint": fingerprint(str(w1), settings, "ds", dicts)}) + "\n")
+        f.write(json.dumps(fake) + "\n")
+    res = write_cam_boxes(out, model, _FakeMapper(), dicts, settings, str(w1), "ds", 2)
+    assert res["images"]["i0"]["boxes"] == [[1, 2, 3, 4]]  # same fingerprint: resumed
+    assert set(res["images"]) == {"i0", "i1", "i2"}
+    # the same partial file under other weights or another τ is not merged
+    for weights, s in ((w2, settings), (w1, CamSettings(tau=0.7, min_area=1, max_area=H * W,
+                                                        canonical_size=(H, W)))):
+        with open(out + ".partial.jsonl", "w") as f:
+            f.write(json.dumps({"fingerprint": fingerprint(str(w1), settings, "ds", dicts)})
+                    + "\n")
+            f.write(json.dumps(fake) + "\n")
+        res = write_cam_boxes(out, model, _FakeMapper(), dicts, s, str(weights), "ds", 2)
+        assert res["images"]["i0"]["boxes"] != [[1, 2, 3, 4]]
+        assert res["meta"]["fingerprint"]["weights_sha256"] != "" and not os.path.exists(
+            out + ".partial.jsonl")
+    assert "starting fresh" in caplog.text

@@ -29,6 +29,7 @@ from ..data.build import (
     build_two_stream_loaders,
 )
 from ..evaluation import build_evaluator
+from ..ssl.cam_boxes import cam_boxes_in_input_frame, load_cam_boxes
 from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
 from .checkpoint import AtomicCheckpointer, export_model_only
@@ -119,8 +120,9 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         with torch.no_grad():  # the teacher labels the weak batch in canonical coordinates
             teacher_out = self.teacher.inference(weak, do_postprocess=False)
         cam_active = self.use_cam and self.iter < self.fusion_iters
+        cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
         targets = make_pseudo_targets(
-            teacher_out, weak, canonical_cam_boxes(weak, self.cam_lookup) if cam_active else {},
+            teacher_out, weak, cam,
             use_cam=cam_active,
             negative_as_background=self.negative_as_background,
             nms_thresh=self.nms_thresh, score_thresh=self.score_thresh)
@@ -295,7 +297,8 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
         full = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[0])
         weak = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[1])
         self._lazy_loaders = [full, weak]
-        cam_lookup = load_cam_lookup(cfg)
+        use_cam = cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON
+        cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON) if use_cam else {}
         fusion_iters = fusion_iters_from_cfg(
             num_weak_images=_num_images(cfg.DATASETS.TRAIN_WEAK),
             weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
@@ -351,44 +354,10 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
         return results
 
 
-def canonical_cam_boxes(batched_inputs, cam_lookup):
-    """Map an image's GradCAM boxes from original pixels to this batch's canonical frame.
-
-    The mapper's ``transforms`` (preprocessing) and ``aug_transforms`` (training augmentation,
-    e.g. the vertical flip the teacher also saw) are applied in turn.
-    """
-    import numpy as np
-
-    out = {}
-    for x in batched_inputs:
-        entry = cam_lookup.get(str(x["image_id"]))
-        if not entry or not entry.get("boxes"):
-            continue
-        boxes = np.asarray(entry["boxes"], dtype=np.float64).reshape(-1, 4)
-        boxes = x["transforms"].apply_box(boxes)
-        if x.get("aug_transforms") is not None:
-            boxes = x["aug_transforms"].apply_box(boxes)
-        scores = np.asarray(entry.get("scores", [1.0] * len(boxes)), dtype=np.float32)
-        out[str(x["image_id"])] = (torch.as_tensor(boxes, dtype=torch.float32),
-                                   torch.as_tensor(scores))
-    return out
-
-
 def _num_images(dataset_names):
     from detectron2.data import DatasetCatalog
 
     return sum(len(DatasetCatalog.get(n)) for n in dataset_names)
-
-
-def load_cam_lookup(cfg):
-    """GradCAM boxes (original px) from tools/gradcam_pseudo_labels.py, keyed by image_id."""
-    import json
-
-    if not (cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON):
-        return {}
-    with open(cfg.SSL.CAM_JSON) as f:
-        data = json.load(f)
-    return data.get("images", data)
 
 
 def trainer_class(cfg):

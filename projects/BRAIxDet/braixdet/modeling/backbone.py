@@ -123,18 +123,20 @@ def encoder_init(cfg) -> str:
     return "" if superseded else b.PRETRAINED
 
 
-def _encoder_from_cfg(cfg) -> TimmBackbone:
+def _encoder_from_cfg(cfg, extra_features=()) -> TimmBackbone:
     b = cfg.MODEL.BRAIXDET
+    features = tuple(dict.fromkeys([*b.OUT_FEATURES, *extra_features]))
     return TimmBackbone(
-        b.TIMM_MODEL, out_features=tuple(b.OUT_FEATURES), pretrained=encoder_init(cfg),
-        in_chans=b.IN_CHANS,
+        b.TIMM_MODEL, out_features=features, pretrained=encoder_init(cfg), in_chans=b.IN_CHANS,
     )
 
 
-def build_multiview_bottom_up(cfg, bidirectional: bool = False) -> MultiViewBottomUp:
-    """Encoder + LCM (bidirectional in the classifier, main branch only in the detector)."""
+def build_multiview_bottom_up(cfg, bidirectional: bool = False,
+                              extra_features=()) -> MultiViewBottomUp:
+    """Encoder + LCM (bidirectional in the classifier, main branch only in the detector).
+    ``extra_features``: encoder stages to output besides OUT_FEATURES (same weights)."""
     b = cfg.MODEL.BRAIXDET
-    encoder = _encoder_from_cfg(cfg)
+    encoder = _encoder_from_cfg(cfg, extra_features)
     lcm = None
     if b.MULTI_VIEW and b.LCM.ENABLED:
         channels = encoder.output_shape()[FUSE_FEATURE].channels

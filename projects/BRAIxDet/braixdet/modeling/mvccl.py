@@ -40,7 +40,9 @@ class MVCCLClassifier(nn.Module):
     @classmethod
     def from_config(cls, cfg):
         b = cfg.MODEL.BRAIXDET
-        bottom_up = build_multiview_bottom_up(cfg, bidirectional=True)
+        # the encoder also outputs the GradCAM target stage when it is not the last one
+        bottom_up = build_multiview_bottom_up(
+            cfg, bidirectional=True, extra_features=(b.CAM.TARGET_LAYER,))
         c = bottom_up.output_shape()[FUSE_FEATURE].channels
         multi_view = bool(b.MULTI_VIEW)
         gcm = GlobalConsistencyModule(c) if multi_view and b.GCM.ENABLED else None
@@ -68,24 +70,30 @@ class MVCCLClassifier(nn.Module):
             images.append(torch.cat(views, dim=0))
         return ImageList.from_tensors(images, self.bottom_up.size_divisibility)
 
-    def forward_tensor(self, x: torch.Tensor, cam: bool = False):
+    def forward_tensor(self, x: torch.Tensor, cam_layer: str = ""):
         """x: normalised (B, 2|1, H, W) -> (logits (B,), extras).
 
-        extras: "main_features" (ũ_m, or u_m single-view: the GradCAM target) and
-        "loss_sim" (GCM consistency, unweighted; only with GCM).
+        extras: "loss_sim" (GCM consistency, unweighted; only with GCM) and, with ``cam_layer``,
+        "cam_features": the activations GradCAM differentiates, main views in the first B rows
+        ("res5": the fused ũ_m, or u_m single-view, the paper's last stage; "res4"/"res3": that
+        encoder stage, both views stacked main first).
         """
         b = x.shape[0]
         bu = self.bottom_up
         extras = {}
+        if cam_layer and not x.requires_grad:
+            # the graph from the target layer to the logit must exist even when the weights
+            # are frozen or the caller runs under no_grad (GradCAM enables grad itself)
+            x = x.detach().requires_grad_(True)
         if self.multi_view:
-            u = bu.encode(torch.cat([x[:, :1], x[:, 1:2]], dim=0))[FUSE_FEATURE]
+            feats = bu.encode(torch.cat([x[:, :1], x[:, 1:2]], dim=0))
+            u = feats[FUSE_FEATURE]
             u_m, u_a = u[:b], u[b:]
             if bu.lcm is not None:
                 t_m, t_a = bu.lcm(u_m, u_a)
                 t_a = u_a if t_a is None else t_a
             else:
                 t_m, t_a = u_m, u_a
-            t_m = self._cam_target(t_m, cam)
             if self.gcm is not None:
                 g, g_m, g_a = self.gcm(u_m, u_a)
                 extras["loss_sim"] = self.gcm.consistency_loss(g_m, g_a)
@@ -93,24 +101,21 @@ class MVCCLClassifier(nn.Module):
                 g = torch.amax(t_m, dim=(2, 3))
             z = torch.cat([g, t_m.mean(dim=(2, 3)), t_a.mean(dim=(2, 3))], dim=1)
         else:
-            t_m = self._cam_target(bu.encode(x[:, :1])[FUSE_FEATURE], cam)
+            feats = bu.encode(x[:, :1])
+            t_m = feats[FUSE_FEATURE]
             z = torch.cat([torch.amax(t_m, dim=(2, 3)), t_m.mean(dim=(2, 3))], dim=1)
-        extras["main_features"] = t_m
+        if cam_layer:
+            if cam_layer != FUSE_FEATURE and cam_layer not in feats:
+                raise ValueError(f"CAM target layer {cam_layer!r} is not an encoder output "
+                                 f"({sorted(feats)}); see MODEL.BRAIXDET.CAM.TARGET_LAYER")
+            extras["cam_features"] = t_m if cam_layer == FUSE_FEATURE else feats[cam_layer]
         return self.head(z).squeeze(1), extras
 
-    @staticmethod
-    def _cam_target(t: torch.Tensor, cam: bool) -> torch.Tensor:
-        # With frozen parameters the target would not require grad; cutting the graph there
-        # is harmless for GradCAM (nothing upstream is needed) and makes d logit / d t exist.
-        if cam and torch.is_grad_enabled() and not t.requires_grad:
-            t = t.detach().requires_grad_(True)
-        return t
-
-    def forward_features(self, batched_inputs: List[Dict]):
-        """(main-view last-stage features (B, C, h, w) used by GradCAM, logits (B,))."""
+    def forward_features(self, batched_inputs: List[Dict], layer: str = FUSE_FEATURE):
+        """(activations of ``layer`` for GradCAM, main views in the first B rows; logits (B,))."""
         images = self.preprocess_image(batched_inputs)
-        logits, extras = self.forward_tensor(images.tensor, cam=True)
-        return extras["main_features"], logits
+        logits, extras = self.forward_tensor(images.tensor, cam_layer=layer)
+        return extras["cam_features"], logits
 
     def forward(self, batched_inputs: List[Dict]):
         images = self.preprocess_image(batched_inputs)

@@ -5,9 +5,9 @@ the teacher's own test NMS). During the first epochs of D_w (``cam_phase_active`
 the image's GradCAM boxes (Algorithm 1 output): union, then NMS with τ_nms. Label-0 images train as
 all background (configurable). An image with no box at all adds no weak loss (``None``).
 
-Everything here is in CANONICAL coordinates (the network input frame): the trainer runs the
-teacher's inference WITHOUT mapping boxes back to original pixels, and the CAM boxes are stored in
-the canonical frame.
+Everything here is in the INPUT frame (canonical, plus any training augmentation): the trainer
+runs the teacher's inference WITHOUT mapping boxes back to original pixels, and maps the GradCAM
+boxes (stored in original pixels, see cam_boxes.py) into that frame before calling this.
 """
 import math
 
