@@ -7,6 +7,7 @@ from detectron2.config import CfgNode as CN
 
 def add_braixdet_config(cfg):
     """Add every key BRAIxDet reads. Call once on a fresh `get_cfg()` before merging files."""
+    _set_unsupported_defaults(cfg)
     _add_model_config(cfg)
     _add_input_config(cfg)
     _add_dataset_config(cfg)
@@ -105,10 +106,21 @@ def _add_dataset_config(cfg):
 def _add_solver_config(cfg):
     s = cfg.SOLVER.BRAIXDET = CN()
     s.OPTIMIZER = "ADAM"  # ADAM | SGD
-    s.PLATEAU_FACTOR = 0.1  # ReduceLROnPlateau on validation loss
+    # Schedule in epochs (paper: 20 per stage; see engine/schedule.py): used where MAX_ITER <= 0;
+    # TEST.EVAL_PERIOD < 0 and CHECKPOINT_PERIOD <= 0 mean once per epoch
+    s.EPOCHS = 20.0
+    cfg.SOLVER.MAX_ITER = -1
+    cfg.SOLVER.CHECKPOINT_PERIOD = -1
+    cfg.TEST.EVAL_PERIOD = -1
+    # ReduceLROnPlateau (paper: x0.1) on a validation metric, which also selects the exported
+    # detector; "" = stage default (stage 1 classification/BCE, stage 2 bbox/AP20)
+    s.PLATEAU_FACTOR = 0.1
     s.PLATEAU_PATIENCE = 2  # evaluations without improvement
-    s.PLATEAU_METRIC = "bce"
+    s.PLATEAU_METRIC = ""
     s.CHECK_FINITE = True  # stop with an error naming the iteration and loss term on NaN/inf
+    # SOLVER.AMP.ENABLED (detectron2's key) trains in mixed precision: "auto" = bf16 where
+    # supported (CPU, Ampere+ GPUs), else fp16 with a gradient scaler
+    s.AMP_DTYPE = "auto"
 
 
 def _add_ssl_config(cfg):
@@ -133,3 +145,55 @@ def _add_test_config(cfg):
     t.CENTER_HIT = False  # FROC option: detection centre inside the GT box counts as a hit
     t.SAVE_PLOTS = True
     t.EVAL_STUDENT = True  # also evaluate the student (metrics prefixed with student/)
+
+
+# detectron2 keys our data path and trainers do not implement, each with its neutral value (the
+# one our code behaves like) and what to use instead. A config that changes one is refused:
+# a key that silently does nothing is a bug. INPUT sizes/flips are INPUT.BRAIXDET.* here.
+UNSUPPORTED_KEYS = {
+    "TEST.PRECISE_BN.ENABLED": (False, "BN statistics come from pre-training (SSL.BN_MODE)"),
+    "TEST.AUG.ENABLED": (False, "test-time augmentation is not implemented"),
+    "DATALOADER.SAMPLER_TRAIN": ("TrainingSampler", "the loaders draw seeded, resumable "
+                                 "permutations (data/build.py)"),
+    "DATALOADER.ASPECT_RATIO_GROUPING": (False, "every canonical image has one size"),
+    "DATALOADER.FILTER_EMPTY_ANNOTATIONS": (False, "lesion-free images are training data"),
+    "MODEL.MASK_ON": (False, "boxes only"),
+    "MODEL.KEYPOINT_ON": (False, "boxes only"),
+    "MODEL.LOAD_PROPOSALS": (False, "proposals come from the RPN"),
+    "MODEL.BACKBONE.FREEZE_AT": (0, "the timm encoder trains every stage"),
+    "DATASETS.PROPOSAL_FILES_TRAIN": ((), "proposals come from the RPN"),
+    "DATASETS.PROPOSAL_FILES_TEST": ((), "proposals come from the RPN"),
+}
+_D2_INPUT_KEYS = ("MIN_SIZE_TRAIN", "MIN_SIZE_TRAIN_SAMPLING", "MAX_SIZE_TRAIN", "MIN_SIZE_TEST",
+                  "MAX_SIZE_TEST", "RANDOM_FLIP", "FORMAT", "CROP.ENABLED")
+
+
+def _get(cfg, key):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def _set_unsupported_defaults(cfg):
+    for key, (value, _) in UNSUPPORTED_KEYS.items():
+        node, _, leaf = key.rpartition(".")
+        _get(cfg, node)[leaf] = value
+
+
+def check_supported_keys(cfg):
+    """Raise ValueError naming a detectron2 key set to something BRAIxDet does not honour."""
+    from detectron2.config import get_cfg
+
+    for key, (value, why) in UNSUPPORTED_KEYS.items():
+        got = _get(cfg, key)
+        if (tuple(got) if isinstance(got, (list, tuple)) else got) != value:
+            raise ValueError(f"{key} = {got!r} is not supported by BRAIxDet ({why}); "
+                             f"leave it at {value!r}")
+    d2 = get_cfg().INPUT
+    for key in _D2_INPUT_KEYS:
+        got, default = _get(cfg.INPUT, key), _get(d2, key)
+        if (tuple(got) if isinstance(got, (list, tuple)) else got) != (
+                tuple(default) if isinstance(default, (list, tuple)) else default):
+            raise ValueError(f"INPUT.{key} = {got!r} is not used by BRAIxDet: images are "
+                             "canonicalised by INPUT.BRAIXDET.* (CANONICAL_SIZE, AUG.*)")
+    return cfg

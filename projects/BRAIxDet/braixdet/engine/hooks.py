@@ -1,4 +1,4 @@
-"""Training-loop helpers: a finite-loss check and ReduceLROnPlateau for detectron2 trainers.
+"""Training-loop helpers: a finite-loss check, ReduceLROnPlateau and the best-model export.
 
 Wiring (the trainer's side):
 
@@ -28,7 +28,7 @@ import detectron2.utils.comm as comm
 import torch
 from detectron2.engine.train_loop import HookBase
 
-__all__ = ["FiniteLossCheck", "ReduceLROnPlateauHook", "check_finite_losses"]
+__all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "check_finite_losses"]
 
 logger = logging.getLogger(__name__)
 
@@ -216,3 +216,71 @@ class ReduceLROnPlateauHook(HookBase):
         self.num_reductions = int(state_dict["num_reductions"])
         self.lr_scale = float(state_dict["lr_scale"])
         self.last_eval_iter = int(state_dict["last_eval_iter"])
+
+
+class BestExportHook(HookBase):
+    """Export the model users deploy at its best validation evaluation (paper: model selection
+    on the validation set), atomically, to ``path`` as ``{"model": state_dict, "selected":
+    {iteration, metric, value}}``; without validation, the last model at the end of training.
+
+    Register AFTER the ``EvalHook`` (it reads the metric the evaluation just stored) and before
+    the ``PeriodicCheckpointer`` (its bookkeeping is part of the checkpoint: exact resume).
+    ``model_fn`` returns the module to export (the teacher for student-teacher training).
+    """
+
+    def __init__(self, path, model_fn, metric=None, mode="max"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.path, self._model_fn, self.metric, self.mode = path, model_fn, metric, mode
+        self.best = None
+        self.exported_iter = None
+        self.last_eval_iter = None
+
+    def _better(self, value):
+        if math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        return value < self.best if self.mode == "min" else value > self.best
+
+    def _export(self, iteration, value):
+        from .checkpoint import atomic_torch_save
+
+        if comm.is_main_process():
+            selected = {"iteration": int(iteration), "metric": self.metric or "",
+                        "value": None if value is None else float(value)}
+            atomic_torch_save({"model": self._model_fn().state_dict(), "selected": selected},
+                              self.path)
+        self.exported_iter = int(iteration)
+
+    def after_step(self):
+        if self.metric is None:
+            return
+        latest = self.trainer.storage.latest()
+        if self.metric not in latest:
+            return
+        value, it = latest[self.metric]
+        if self.last_eval_iter is not None and it <= self.last_eval_iter:
+            return
+        self.last_eval_iter = int(it)
+        if self._better(float(value)):
+            self.best = float(value)
+            self._export(it, value)
+
+    def after_train(self):
+        self.after_step()  # the final evaluation runs in EvalHook.after_train
+        if self.exported_iter is None:
+            self._export(self.trainer.iter, None)
+        how = (f"best validation {self.metric} = {self.best:g}" if self.best is not None
+               else "no validation metric: the last model")
+        logger.info(f"Exported model: iteration {self.exported_iter} ({how}; last evaluation "
+                    f"at iteration {self.last_eval_iter}) -> {self.path}")
+
+    def state_dict(self):
+        return {"best": self.best, "exported_iter": self.exported_iter,
+                "last_eval_iter": self.last_eval_iter}
+
+    def load_state_dict(self, state_dict):
+        self.best = state_dict["best"]
+        self.exported_iter = state_dict["exported_iter"]
+        self.last_eval_iter = state_dict["last_eval_iter"]

@@ -4,7 +4,7 @@ import os
 
 from detectron2.config import get_cfg
 
-from ..config import add_braixdet_config
+from ..config import add_braixdet_config, check_supported_keys
 from .checkpoint import safe_torch_load
 
 logger = logging.getLogger(__name__)
@@ -16,7 +16,7 @@ def build_cfg(config_file="", opts=()):
     if config_file:
         cfg.merge_from_file(config_file)
     cfg.merge_from_list(list(opts))
-    return cfg
+    return check_supported_keys(cfg)
 
 
 def register_and_assign_datasets(cfg):

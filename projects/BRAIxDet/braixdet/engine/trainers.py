@@ -1,17 +1,22 @@
-"""Trainers for both stages, on detectron2's DefaultTrainer loop.
+"""Trainers of both stages, on detectron2's DefaultTrainer loop; ``trainer_class`` picks one.
 
-What we override, and why:
-* ``__init__``: build our own inner step trainer, a lazily started resumable loader (its data
-  order depends on the iteration we resume from, known only after ``resume_or_load``) and an
-  atomic, weights_only-safe checkpointer (plus the teacher in stage 2).
-* ``run_step``: reseed torch per (iteration, rank) so a resumed run replays exactly; check every
-  loss term is finite *before* backward (the error names the iteration and the term).
-* loaders / evaluators / hooks: the multi-view loaders, our evaluators, ReduceLROnPlateau.
+* ``MVCCLTrainer``: stage 1, the BRAIxMVCCL classifier on D_w ∪ D̃_s.
+* ``BRAIxDetTrainer``: stage 2 supervised on D_s (the Faster R-CNN baselines).
+* ``StudentTeacherTrainer``: stage 2 student-teacher SSL (Mean Teacher / BRAIxDet).
+
+What the base class changes in DefaultTrainer, and why: its own step trainer (reseeding per
+iteration for exact resume, a finite-loss check before backward, mixed precision on CPU and GPU:
+detectron2's AMPTrainer is CUDA/fp16 only), a data loader started lazily at the resumed
+iteration, an atomic weights-only checkpointer, and a schedule in epochs
+(``resolve_schedule``). Detectors also keep the model of the best validation evaluation as the
+exported model (``model_export.pth``). Everything else is builders.
 """
 import logging
 import os
 import time
 import weakref
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from detectron2.engine import DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
@@ -32,16 +37,22 @@ from ..evaluation import build_evaluator
 from ..ssl.cam_boxes import cam_boxes_in_input_frame, load_cam_boxes
 from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
-from .checkpoint import AtomicCheckpointer, export_model_only
-from .hooks import ReduceLROnPlateauHook, check_finite_losses
+from .checkpoint import AtomicCheckpointer, safe_torch_load
+from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
+from .schedule import num_images, resolve_schedule, validation_metric
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["MVCCLTrainer", "BRAIxDetTrainer", "StudentTeacherTrainer", "trainer_class",
+           "Precision", "EXPORT_NAME"]
+
+EXPORT_NAME = "model_export.pth"  # the detector users deploy (teacher for SSL), best on val
 
 
 class LazyResumableLoader:
     """An iterator that builds its DataLoader on the first ``next()``.
 
-    detectron2 0.6's SimpleTrainer calls ``iter(loader)`` in its constructor, before the
+    detectron2's SimpleTrainer calls ``iter(loader)`` in its constructor, before the
     checkpoint (and so the start iteration) is known; the real loader must start at the resumed
     iteration to replay the same batches.
     """
@@ -66,12 +77,49 @@ def seed_iteration(base_seed: int, iteration: int):
                       % (2**63 - 1))
 
 
-class BRAIxStepTrainer(SimpleTrainer):
-    """SimpleTrainer whose step reseeds per iteration and refuses non-finite losses by name."""
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision of the training step (SOLVER.AMP.ENABLED, SOLVER.BRAIXDET.AMP_DTYPE).
 
-    def __init__(self, model, data_loader, optimizer, seed=0):
+    Weights, optimizer state, the EMA teacher and batch-norm statistics stay fp32; autocast only
+    runs the forward passes in ``dtype``. fp16 needs a gradient scaler, bf16 does not.
+    """
+
+    device_type: str = "cpu"
+    dtype: Optional[torch.dtype] = None  # None: fp32
+
+    @classmethod
+    def from_cfg(cls, cfg):
+        device_type = "cuda" if str(cfg.MODEL.DEVICE).startswith("cuda") else "cpu"
+        if not cfg.SOLVER.AMP.ENABLED:
+            return cls(device_type, None)
+        want = cfg.SOLVER.BRAIXDET.AMP_DTYPE
+        if want not in ("auto", "bf16", "fp16"):
+            raise ValueError(f"SOLVER.BRAIXDET.AMP_DTYPE must be auto, bf16 or fp16, got {want!r}")
+        if want == "auto":
+            bf16 = device_type == "cpu" or torch.cuda.is_bf16_supported()
+            want = "bf16" if bf16 else "fp16"
+        return cls(device_type, torch.bfloat16 if want == "bf16" else torch.float16)
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype or torch.float32,
+                              enabled=self.dtype is not None)
+
+    def grad_scaler(self):
+        return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
+
+
+class BRAIxStepTrainer(SimpleTrainer):
+    """One optimisation step: reseed per iteration, forward under autocast (AMP), refuse
+    non-finite losses by name before backward, scale gradients when fp16."""
+
+    def __init__(self, model, data_loader, optimizer, seed=0, precision=Precision(),
+                 check_finite=True):
         super().__init__(model, data_loader, optimizer)
         self.seed = seed
+        self.precision = precision
+        self.grad_scaler = precision.grad_scaler()
+        self.finite_check = FiniteLossCheck(enabled=check_finite)
 
     def next_batch(self, loader_iter):
         start = time.perf_counter()
@@ -79,27 +127,42 @@ class BRAIxStepTrainer(SimpleTrainer):
         return data, time.perf_counter() - start
 
     def optimize(self, loss_dict, data_time):
-        check_finite_losses(loss_dict, self.iter)
+        self.finite_check(loss_dict, self.iter)
         losses = sum(loss_dict.values())
         self.optimizer.zero_grad()
-        losses.backward()
+        self.grad_scaler.scale(losses).backward()
         self._write_metrics(loss_dict, data_time)
-        self.optimizer.step()
+        self.grad_scaler.step(self.optimizer)  # a plain step when the scaler is disabled
+        self.grad_scaler.update()
 
     def run_step(self):
         assert self.model.training, "[BRAIxStepTrainer] model was changed to eval mode!"
         data, data_time = self.next_batch(self._data_loader_iter)
         # after the batch: a (lazily) started DataLoader draws its base seed from torch's RNG
         seed_iteration(self.seed, self.iter)
-        self.optimize(self.model(data), data_time)
+        with self.precision.autocast():
+            loss_dict = self.model(data)
+        self.optimize(loss_dict, data_time)
+
+    def state_dict(self):
+        ret = super().state_dict()
+        if self.grad_scaler.is_enabled():
+            ret["grad_scaler"] = self.grad_scaler.state_dict()
+        return ret
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        if self.grad_scaler.is_enabled() and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
 class StudentTeacherStepTrainer(BRAIxStepTrainer):
-    """One BRAIxDet SSL step (paper eq. 5, Algorithm 2): ℓ_sup + λ ℓ_wek, then EMA."""
+    """One student-teacher step (paper eq. 5, Algorithm 2): ℓ_sup + λ ℓ_wek, then EMA."""
 
     def __init__(self, model, teacher, full_loader, weak_loader, optimizer, cfg, cam_lookup,
-                 fusion_iters):
-        super().__init__(model, full_loader, optimizer, seed=cfg.SEED)
+                 fusion_iters, precision=Precision()):
+        super().__init__(model, full_loader, optimizer, seed=cfg.SEED, precision=precision,
+                         check_finite=cfg.SOLVER.BRAIXDET.CHECK_FINITE)
         self.teacher = teacher
         self.weak_loader = weak_loader
         self._weak_iter = iter(weak_loader)
@@ -111,30 +174,34 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         self.negative_as_background = s.NEGATIVE_AS_BACKGROUND
         self.score_thresh = s.TEACHER_SCORE_THRESH
 
+    def pseudo_targets(self, weak):
+        """Algorithm 2 on a weak batch: the teacher's top box, fused with the GradCAM boxes
+        while the fusion phase lasts; in the batch's (augmented) input frame."""
+        with torch.no_grad(), self.precision.autocast():
+            teacher_out = self.teacher.inference(weak, do_postprocess=False)
+        cam_active = self.use_cam and self.iter < self.fusion_iters
+        cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
+        targets = make_pseudo_targets(
+            teacher_out, weak, cam, use_cam=cam_active,
+            negative_as_background=self.negative_as_background,
+            nms_thresh=self.nms_thresh, score_thresh=self.score_thresh)
+        return targets, cam_active
+
     def run_step(self):
         assert self.model.training, "[StudentTeacherStepTrainer] model was changed to eval mode!"
         full, t_full = self.next_batch(self._data_loader_iter)
         weak, t_weak = self.next_batch(self._weak_iter)
         seed_iteration(self.seed, self.iter)  # after the batches (see BRAIxStepTrainer)
-
-        with torch.no_grad():  # the teacher labels the weak batch in canonical coordinates
-            teacher_out = self.teacher.inference(weak, do_postprocess=False)
-        cam_active = self.use_cam and self.iter < self.fusion_iters
-        cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
-        targets = make_pseudo_targets(
-            teacher_out, weak, cam,
-            use_cam=cam_active,
-            negative_as_background=self.negative_as_background,
-            nms_thresh=self.nms_thresh, score_thresh=self.score_thresh)
+        targets, cam_active = self.pseudo_targets(weak)
         weak_batch = [dict(w, instances=t) for w, t in zip(weak, targets) if t is not None]
 
-        loss_dict = dict(self.model(full))
-        if weak_batch:
-            # Through the unwrapped student: one DDP forward per backward; the weak graph's
-            # gradients still reach every parameter's all-reduce hook in the single backward.
-            weak_losses = unwrap(self.model)(weak_batch)
-            for k, v in weak_losses.items():
-                loss_dict["weak_" + k] = self.lambda_weak * v
+        with self.precision.autocast():
+            loss_dict = dict(self.model(full))
+            if weak_batch:
+                # Through the unwrapped student: one DDP forward per backward; the weak
+                # graph's gradients still reach every parameter's all-reduce hook.
+                for k, v in unwrap(self.model)(weak_batch).items():
+                    loss_dict["weak_" + k] = self.lambda_weak * v
         self.optimize(loss_dict, t_full + t_weak)
         ema_update(self.teacher, self.model, alpha=self.alpha, bn_mode=self.bn_mode)
 
@@ -146,11 +213,11 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
 
 
 class BRAIxTrainerBase(DefaultTrainer):
-    """Shared construction for both stages (see module docstring)."""
+    """Shared construction for every stage (see the module docstring)."""
 
     def __init__(self, cfg):
         TrainerBase.__init__(self)
-        cfg = DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size())
+        cfg = resolve_schedule(DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size()))
         self.cfg = cfg
         model = self.build_model(cfg)
         optimizer = self.build_optimizer(cfg, model)
@@ -164,11 +231,13 @@ class BRAIxTrainerBase(DefaultTrainer):
         self.max_iter = cfg.SOLVER.MAX_ITER
         self.register_hooks(self.build_hooks())
 
-    # -- construction -------------------------------------------------------------------------
+    # -- builders -----------------------------------------------------------------------------
     def build_step_trainer(self, cfg, model, optimizer):
         loader = LazyResumableLoader(lambda s: self.build_train_loader(cfg, start_iter=s))
         self._lazy_loaders = [loader]
-        return BRAIxStepTrainer(model, loader, optimizer, seed=cfg.SEED)
+        return BRAIxStepTrainer(model, loader, optimizer, seed=cfg.SEED,
+                                precision=Precision.from_cfg(cfg),
+                                check_finite=cfg.SOLVER.BRAIXDET.CHECK_FINITE)
 
     def extra_checkpointables(self):
         return {}
@@ -214,6 +283,29 @@ class BRAIxTrainerBase(DefaultTrainer):
         output_folder = output_folder or os.path.join(cfg.OUTPUT_DIR, "inference", dataset_name)
         return build_evaluator(cfg, dataset_name, output_folder)
 
+    def build_hooks(self):
+        cfg = self.cfg
+        ret = [d2_hooks.IterationTimer(), d2_hooks.LRScheduler(),
+               d2_hooks.EvalHook(cfg.TEST.EVAL_PERIOD, self._test_and_save_results)]
+        # after the evaluation they read; before the checkpointer, so that a checkpoint taken
+        # at an evaluation iteration holds their decisions (exact resume)
+        ret.extend(self.validation_hooks())
+        if comm.is_main_process():
+            ret.append(d2_hooks.PeriodicCheckpointer(self.checkpointer,
+                                                     cfg.SOLVER.CHECKPOINT_PERIOD))
+            ret.append(d2_hooks.PeriodicWriter(self.build_writers(), period=20))
+        return ret
+
+    def validation_hooks(self):
+        """ReduceLROnPlateau on the validation metric (paper §4.3), when there is validation."""
+        metric = validation_metric(self.cfg)
+        if metric is None:
+            return []
+        s = self.cfg.SOLVER.BRAIXDET
+        self.plateau = ReduceLROnPlateauHook(metric=metric.key, mode=metric.mode,
+                                             factor=s.PLATEAU_FACTOR, patience=s.PLATEAU_PATIENCE)
+        return [self.plateau]
+
     # -- checkpointed state --------------------------------------------------------------------
     # detectron2 0.6's DefaultTrainer checkpoints only the iteration and the hooks: without the
     # step trainer's state the optimizer (Adam moments, lr) would restart on resume.
@@ -233,31 +325,16 @@ class BRAIxTrainerBase(DefaultTrainer):
         for loader in self._lazy_loaders:
             loader.start_iter = self.start_iter
 
-    def build_hooks(self):
-        cfg = self.cfg
-        ret = [d2_hooks.IterationTimer(), d2_hooks.LRScheduler(),
-               d2_hooks.EvalHook(cfg.TEST.EVAL_PERIOD, self._test_and_save_results)]
-        ret.extend(self.extra_hooks())  # e.g. ReduceLROnPlateau, which reads the evaluation
-        if comm.is_main_process():
-            # after evaluation and LR decisions, so a checkpoint holds their outcome (exact resume)
-            ret.append(d2_hooks.PeriodicCheckpointer(self.checkpointer,
-                                                     cfg.SOLVER.CHECKPOINT_PERIOD))
-        if comm.is_main_process():
-            ret.append(d2_hooks.PeriodicWriter(self.build_writers(), period=20))
-        return ret
-
-    def extra_hooks(self):
-        return []
-
     def _test_and_save_results(self):
         self._last_eval_results = self.test(self.cfg, self.model)
         return self._last_eval_results
 
     @classmethod
-    def test(cls, cfg, model, evaluators=None, prefix=""):
-        """Evaluate ``model`` on cfg.DATASETS.TEST; metric keys get ``prefix`` (e.g. student/)."""
+    def test(cls, cfg, model, evaluators=None, prefix="", datasets=None):
+        """Evaluate ``model`` on ``datasets`` (default cfg.DATASETS.TEST); metric keys get
+        ``prefix`` (e.g. student/)."""
         results = {}
-        for idx, name in enumerate(cfg.DATASETS.TEST):
+        for idx, name in enumerate(datasets or cfg.DATASETS.TEST):
             loader = cls.build_test_loader(cfg, name)
             out = os.path.join(cfg.OUTPUT_DIR, "inference", prefix.strip("/") or "model", name)
             evaluator = evaluators[idx] if evaluators else cls.build_evaluator(cfg, name, out)
@@ -274,41 +351,15 @@ class BRAIxTrainerBase(DefaultTrainer):
 
 
 class MVCCLTrainer(BRAIxTrainerBase):
-    """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, with ReduceLROnPlateau on validation BCE."""
-
-    def extra_hooks(self):
-        if not self.cfg.DATASETS.TEST or self.cfg.TEST.EVAL_PERIOD <= 0:
-            return []
-        names = list(self.cfg.DATASETS.TEST)
-        metric = "classification/BCE" if len(names) == 1 else f"{names[0]}/classification/BCE"
-        self.plateau = ReduceLROnPlateauHook(
-            metric=metric, factor=self.cfg.SOLVER.BRAIXDET.PLATEAU_FACTOR,
-            patience=self.cfg.SOLVER.BRAIXDET.PLATEAU_PATIENCE)
-        return [self.plateau]
+    """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, ReduceLROnPlateau on validation BCE."""
 
 
 class BRAIxDetTrainer(BRAIxTrainerBase):
-    """Stage 2: (multi-view) Faster R-CNN, supervised or student-teacher (cfg.SSL.ENABLED)."""
+    """Stage 2, supervised on D_s: the (multi-view) Faster R-CNN baselines.
 
-    def build_step_trainer(self, cfg, model, optimizer):
-        if not cfg.SSL.ENABLED:
-            return super().build_step_trainer(cfg, model, optimizer)
-        self.teacher = build_teacher(model)
-        full = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[0])
-        weak = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[1])
-        self._lazy_loaders = [full, weak]
-        use_cam = cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON
-        cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON) if use_cam else {}
-        fusion_iters = fusion_iters_from_cfg(
-            num_weak_images=_num_images(cfg.DATASETS.TRAIN_WEAK),
-            weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
-            epochs=cfg.SSL.CAM_FUSION_EPOCHS, override_iters=cfg.SSL.CAM_FUSION_ITERS)
-        logger.info("Algorithm 2: GradCAM fusion during the first %d iterations", fusion_iters)
-        return StudentTeacherStepTrainer(model, self.teacher, full, weak, optimizer, cfg,
-                                         cam_lookup, fusion_iters)
-
-    def extra_checkpointables(self):
-        return {"teacher": self.teacher} if self.cfg.SSL.ENABLED else {}
+    The model of the best validation evaluation is exported (``model_export.pth``) and its test
+    metrics are the ones left in ``inference/model/<test set>`` at the end.
+    """
 
     @classmethod
     def build_model(cls, cfg):
@@ -321,29 +372,74 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
                         len(report["loaded"]), len(report["dropped"]))
         return model
 
-    def resume_or_load(self, resume=True):
-        super().resume_or_load(resume=resume)
-        if self.cfg.SSL.ENABLED and not (resume and self.checkpointer.has_checkpoint()):
-            # a fresh run: the teacher starts as a copy of the (initialised) student
-            self.teacher.load_state_dict(unwrap(self.model).state_dict())
-        if self.cfg.SSL.ENABLED:
-            apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
+    def deploy_model(self):
+        """The model users get: the trained detector itself."""
+        return unwrap(self.model)
+
+    def validation_hooks(self):
+        ret = super().validation_hooks()
+        metric = validation_metric(self.cfg)
+        self.best_export = BestExportHook(
+            os.path.join(self.cfg.OUTPUT_DIR, EXPORT_NAME), self.deploy_model,
+            metric.key if metric else None, metric.mode if metric else "max")
+        return ret + [self.best_export]
 
     def train(self):
-        if self.cfg.SSL.ENABLED:
-            # TrainerBase.train() calls model.train() nowhere else; keep BN modes after it
-            apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
         results = super().train()
-        if self.cfg.SSL.ENABLED and comm.is_main_process():
-            # the model users deploy: the teacher alone, loadable by a plain build_model +
-            # DetectionCheckpointer (tools/predict.py, --eval-only)
-            export_model_only(self.teacher,
-                              os.path.join(self.cfg.OUTPUT_DIR, "model_final_teacher.pth"))
+        self._evaluate_export_on_test()
         return results
 
+    def _evaluate_export_on_test(self):
+        """When the exported model is not the last one evaluated, evaluate it on the test set
+        so that the reported test metrics are those of the model users deploy."""
+        hook = self.best_export
+        test_sets = list(self.cfg.DATASETS.TEST)[1:] if validation_metric(self.cfg) else []
+        if not test_sets or hook.exported_iter in (None, hook.last_eval_iter):
+            return
+        model = build_model(self.cfg)
+        model.load_state_dict(safe_torch_load(hook.path)["model"])
+        logger.info("Test metrics of the exported model (iteration %d):", hook.exported_iter)
+        self.test(self.cfg, model.eval(), datasets=test_sets)
+
+
+class StudentTeacherTrainer(BRAIxDetTrainer):
+    """Stage 2 student-teacher SSL (paper §3.2-3.3): the teacher is the reported, evaluated and
+    exported model; the student is also evaluated (``student/`` metrics)."""
+
+    def build_step_trainer(self, cfg, model, optimizer):
+        self.teacher = build_teacher(model)
+        full = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[0])
+        weak = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[1])
+        self._lazy_loaders = [full, weak]
+        use_cam = cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON
+        cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON) if use_cam else {}
+        fusion_iters = fusion_iters_from_cfg(
+            num_weak_images=num_images(cfg.DATASETS.TRAIN_WEAK),
+            weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
+            epochs=cfg.SSL.CAM_FUSION_EPOCHS, override_iters=cfg.SSL.CAM_FUSION_ITERS)
+        logger.info("Algorithm 2: GradCAM fusion during the first %d iterations", fusion_iters)
+        return StudentTeacherStepTrainer(model, self.teacher, full, weak, optimizer, cfg,
+                                         cam_lookup, fusion_iters, Precision.from_cfg(cfg))
+
+    def extra_checkpointables(self):
+        return {"teacher": self.teacher}
+
+    def deploy_model(self):
+        return unwrap(self.teacher)
+
+    def resume_or_load(self, resume=True):
+        super().resume_or_load(resume=resume)
+        if not (resume and self.checkpointer.has_checkpoint()):
+            # a fresh run: the teacher starts as a copy of the (initialised) student
+            self.teacher.load_state_dict(unwrap(self.model).state_dict())
+        apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
+
+    def train(self):
+        # TrainerBase.train() calls model.train() nowhere else; keep BN modes after it
+        apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
+        return super().train()
+
     def _test_and_save_results(self):
-        if not self.cfg.SSL.ENABLED:
-            return super()._test_and_save_results()
         results = self.test(self.cfg, self.teacher)  # the teacher is the model we report
         if self.cfg.TEST.BRAIXDET.EVAL_STUDENT:
             results = dict(results)
@@ -354,15 +450,8 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
         return results
 
 
-def _num_images(dataset_names):
-    from detectron2.data import DatasetCatalog
-
-    return sum(len(DatasetCatalog.get(n)) for n in dataset_names)
-
-
 def trainer_class(cfg):
-    """The trainer for the config's meta-architecture (classifier: stage 1; else stage 2)."""
-    return MVCCLTrainer if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier" else BRAIxDetTrainer
-
-
-__all__ = ["MVCCLTrainer", "BRAIxDetTrainer", "trainer_class"]
+    """The trainer for a config: the classifier (stage 1), or a detector with or without SSL."""
+    if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
+        return MVCCLTrainer
+    return StudentTeacherTrainer if cfg.SSL.ENABLED else BRAIxDetTrainer

@@ -1,0 +1,90 @@
+"""Schedules in epochs (paper: 20 epochs per stage) and the validation metric each stage follows.
+
+An epoch is one pass over the stage's epoch set: stage 1, D_s ∪ D_w (DATASETS.TRAIN) at
+SOLVER.IMS_PER_BATCH; stage 2, D_w (DATASETS.TRAIN_WEAK) at DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
+so that the GradCAM fusion window ("the first 2 of 20 epochs") is 2/20 of the training, and the
+supervised baselines, which read no D_w, train the same number of iterations as the SSL rows.
+``SOLVER.MAX_ITER`` <= 0 means SOLVER.BRAIXDET.EPOCHS epochs; ``TEST.EVAL_PERIOD`` < 0 and
+``SOLVER.CHECKPOINT_PERIOD`` <= 0 mean once per epoch (the paper's ReduceLROnPlateau runs per
+epoch). Positive values are iterations and win.
+"""
+import logging
+import math
+from dataclasses import dataclass
+
+from detectron2.data import DatasetCatalog
+
+__all__ = ["num_images", "iterations_per_epoch", "resolve_schedule", "validation_metric",
+           "ValidationMetric"]
+
+logger = logging.getLogger(__name__)
+
+
+def num_images(dataset_names):
+    return sum(len(DatasetCatalog.get(n)) for n in dataset_names)
+
+
+def iterations_per_epoch(cfg):
+    """(iterations per epoch, what an epoch is) for the stage this config trains."""
+    if cfg.MODEL.META_ARCHITECTURE != "MVCCLClassifier" and cfg.DATASETS.TRAIN_WEAK:
+        names, batch, what = (cfg.DATASETS.TRAIN_WEAK,
+                              cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH, "D_w")
+    else:
+        names, batch, what = cfg.DATASETS.TRAIN, cfg.SOLVER.IMS_PER_BATCH, "the training set"
+    n = num_images(names)
+    if n == 0:
+        raise ValueError(f"cannot size an epoch: {list(names)} hold no image")
+    return max(1, math.ceil(n / batch)), f"{what}: {n} images / batch {batch}"
+
+
+def resolve_schedule(cfg):
+    """A copy of ``cfg`` with MAX_ITER / EVAL_PERIOD / CHECKPOINT_PERIOD set from epochs where
+    they ask for it (see the module docstring); ``cfg`` itself when nothing does."""
+    s = cfg.SOLVER
+    if s.MAX_ITER > 0 and cfg.TEST.EVAL_PERIOD >= 0 and s.CHECKPOINT_PERIOD > 0:
+        if s.BRAIXDET.EPOCHS > 0:
+            logger.info("Schedule: SOLVER.MAX_ITER %d (set explicitly; SOLVER.BRAIXDET.EPOCHS "
+                        "not used)", s.MAX_ITER)
+        return cfg
+    ipe, what = iterations_per_epoch(cfg)
+    frozen = cfg.is_frozen()
+    cfg = cfg.clone()
+    cfg.defrost()
+    if s.MAX_ITER <= 0:
+        if s.BRAIXDET.EPOCHS <= 0:
+            raise ValueError("SOLVER.MAX_ITER <= 0 asks for SOLVER.BRAIXDET.EPOCHS epochs, but "
+                             f"EPOCHS is {s.BRAIXDET.EPOCHS}")
+        cfg.SOLVER.MAX_ITER = max(1, round(s.BRAIXDET.EPOCHS * ipe))
+    if cfg.TEST.EVAL_PERIOD < 0:
+        cfg.TEST.EVAL_PERIOD = ipe
+    if cfg.SOLVER.CHECKPOINT_PERIOD <= 0:
+        cfg.SOLVER.CHECKPOINT_PERIOD = ipe
+    logger.info("Schedule: %d iterations per epoch (%s); MAX_ITER %d (%g epochs), evaluation "
+                "every %d, checkpoint every %d iterations", ipe, what, cfg.SOLVER.MAX_ITER,
+                cfg.SOLVER.MAX_ITER / ipe, cfg.TEST.EVAL_PERIOD, cfg.SOLVER.CHECKPOINT_PERIOD)
+    if frozen:
+        cfg.freeze()
+    return cfg
+
+
+@dataclass(frozen=True)
+class ValidationMetric:
+    key: str  # as flattened into the event storage, e.g. "cbis_ddsm_val_s0/bbox/AP20"
+    mode: str  # "min" | "max"
+
+
+_LOWER_IS_BETTER = ("bce", "loss")
+
+
+def validation_metric(cfg):
+    """The metric ReduceLROnPlateau and the best export follow: SOLVER.BRAIXDET.PLATEAU_METRIC
+    (default: stage 1 classification/BCE, stage 2 bbox/AP20 of the teacher) on the FIRST
+    dataset of DATASETS.TEST (the validation set); None without periodic evaluation."""
+    if not cfg.DATASETS.TEST or cfg.TEST.EVAL_PERIOD == 0:
+        return None
+    metric = cfg.SOLVER.BRAIXDET.PLATEAU_METRIC or (
+        "classification/BCE" if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier"
+        else f"bbox/AP{int(round(cfg.TEST.BRAIXDET.IOU_THRESH * 100))}")
+    key = metric if len(cfg.DATASETS.TEST) == 1 else f"{cfg.DATASETS.TEST[0]}/{metric}"
+    low = metric.rsplit("/", 1)[-1].lower()
+    return ValidationMetric(key, "min" if any(s in low for s in _LOWER_IS_BETTER) else "max")

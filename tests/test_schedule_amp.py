@@ -1,0 +1,196 @@
+"""Schedules in epochs, validation-driven plateau + best export, mixed precision, and refused
+detectron2 keys (issues #12 and #13), on tiny runs of the synthetic dataset."""
+import json
+import math
+import os
+import types
+
+import pytest
+import torch
+from _train_helpers import CONFIGS, assert_state_equal, build_trainer, load_ckpt, tiny_opts
+from detectron2.data import DatasetCatalog
+from detectron2.engine.train_loop import HookBase
+
+from braixdet.engine.schedule import resolve_schedule
+from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, synthetic_root):
+    d = tmp_path_factory.mktemp("schedule_amp")
+    return types.SimpleNamespace(root=synthetic_root.root, dir=d, cache=d / "cache")
+
+
+def _cfg(work, stage, extra=()):
+    opts = tiny_opts(work.root, work.dir / stage, work.cache, stage=stage, extra=extra)
+    cfg = build_cfg(CONFIGS[stage], opts)
+    register_and_assign_datasets(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("stage", ["mvccl", "braixdet", "faster_rcnn"])
+def test_epochs_set_the_iterations(work, stage):
+    cfg = _cfg(work, stage, ["SOLVER.MAX_ITER", "-1", "SOLVER.BRAIXDET.EPOCHS", "3.0",
+                             "TEST.EVAL_PERIOD", "-1", "SOLVER.CHECKPOINT_PERIOD", "-1"])
+    if stage == "mvccl":  # stage 1: an epoch is D_s ∪ D_w at IMS_PER_BATCH
+        n, batch = len(DatasetCatalog.get(cfg.DATASETS.TRAIN[0])), cfg.SOLVER.IMS_PER_BATCH
+    else:  # stage 2, every detector: an epoch is D_w at the weak batch
+        n = len(DatasetCatalog.get(cfg.DATASETS.TRAIN_WEAK[0]))
+        batch = cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH
+    ipe = math.ceil(n / batch)
+    out = resolve_schedule(cfg)
+    assert (out.SOLVER.MAX_ITER, out.TEST.EVAL_PERIOD, out.SOLVER.CHECKPOINT_PERIOD) == (
+        3 * ipe, ipe, ipe)
+    # explicit iteration counts win
+    cfg.SOLVER.MAX_ITER, cfg.TEST.EVAL_PERIOD, cfg.SOLVER.CHECKPOINT_PERIOD = 7, 0, 5
+    assert resolve_schedule(cfg) is cfg and cfg.SOLVER.MAX_ITER == 7
+
+
+def test_gradcam_fusion_covers_two_of_twenty_epochs(work):
+    cfg = _cfg(work, "braixdet", ["SOLVER.MAX_ITER", "-1", "SOLVER.BRAIXDET.EPOCHS", "20.0",
+                                  "SSL.CAM_FUSION_EPOCHS", "2.0", "SSL.CAM_FUSION_ITERS", "-1"])
+    out = resolve_schedule(cfg)
+    fusion = fusion_iters_from_cfg(len(DatasetCatalog.get(cfg.DATASETS.TRAIN_WEAK[0])),
+                                   cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
+                                   epochs=cfg.SSL.CAM_FUSION_EPOCHS)
+    assert fusion * 10 == out.SOLVER.MAX_ITER
+
+
+class MetricLog(HookBase):
+    """Validation metric and lr after every step (after the plateau hook ran)."""
+
+    def __init__(self, key):
+        self.key, self.values, self.lrs = key, {}, []
+
+    def after_step(self):
+        latest = self.trainer.storage.latest()
+        if self.key in latest:
+            value, it = latest[self.key]
+            self.values[it] = value
+        self.lrs.append(self.trainer.optimizer.param_groups[0]["lr"])
+
+    def after_train(self):  # the final evaluation runs in EvalHook.after_train
+        self.after_step()
+
+
+def test_plateau_and_best_export_follow_validation(work):
+    """Supervised detector, evaluated every 2 iterations on (validation, test): the exported
+    model is the one of the best validation AP, the lr drops after a non-improving
+    evaluation (patience 0), and the test metrics left on disk are the exported model's."""
+    val = "cbis_ddsm_train_full_full_s0"  # lesions in it: a validation AP that moves
+    out = work.dir / "best"
+    opts = tiny_opts(work.root, out, work.cache, stage="faster_rcnn", max_iter=8,
+                     eval_period=2, extra=[
+                         "DATASETS.BRAIXDET.PROTOCOL", "full", "SOLVER.BASE_LR", "0.003",
+                         "SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0",
+                         "DATASETS.TEST", repr((val, "cbis_ddsm_test"))])
+    t = build_trainer("faster_rcnn", opts)
+    key = f"{val}/bbox/AP20"
+    log = MetricLog(key)
+    t.register_hooks([log])
+    t.train()
+    assert t.plateau.resolved_key == key and t.plateau.mode == "max"
+    history = [log.values[it] for it in sorted(log.values)]
+    assert len(history) == 4  # iterations 1, 3, 5 and the final evaluation
+    best_it = max(sorted(log.values), key=lambda it: (log.values[it], -it))  # first best
+    export = load_ckpt(out / "model_export.pth")
+    assert export["selected"]["iteration"] == best_it
+    assert export["selected"]["value"] == pytest.approx(max(history))
+    # patience 0: every evaluation that is not a new best reduces the lr ×0.1
+    bad = sum(v <= max(history[:i]) for i, v in enumerate(history) if i > 0)
+    assert t.plateau.num_reductions == bad - (history[-1] <= max(history[:-1]))
+    if bad:
+        assert min(log.lrs) < max(log.lrs)
+    # the test metrics on disk are those of the exported model
+    from detectron2.modeling import build_model
+
+    from braixdet.engine.trainers import BRAIxDetTrainer
+
+    model = build_model(t.cfg)
+    model.load_state_dict(export["model"])
+    again = BRAIxDetTrainer.test(t.cfg, model.eval(), datasets=["cbis_ddsm_test"])
+    on_disk = json.loads((out / "inference" / "model" / "cbis_ddsm_test" / "metrics.json")
+                         .read_text())
+    for k in ("AP20", "R@0.5"):
+        assert on_disk["bbox"][k] == pytest.approx(again["bbox"][k], nan_ok=True, abs=1e-9)
+
+
+class DtypeProbe(HookBase):
+    """dtype of the first encoder conv output during the student's training forward."""
+
+    def before_train(self):
+        self.dtypes = []
+        conv = next(m for m in self.trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
+        conv.register_forward_hook(
+            lambda m, i, o: self.dtypes.append(o.dtype) if m.training else None)
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_amp_reaches_the_step_and_resumes_exactly(work, dtype, torch_dtype):
+    """SOLVER.AMP.ENABLED: the student runs in low precision (CPU autocast), teacher and BN
+    statistics stay fp32, fp16's gradient scaler is checkpointed, and 3 + resume + 3
+    iterations equal 6 straight."""
+    amp = ["SOLVER.AMP.ENABLED", "True", "SOLVER.BRAIXDET.AMP_DTYPE", dtype,
+           "SOLVER.CHECKPOINT_PERIOD", "3"]
+    straight_out = work.dir / f"amp_{dtype}"
+    t = build_trainer("braixdet", tiny_opts(work.root, straight_out, work.cache, max_iter=6,
+                                            extra=amp))
+    assert t._trainer.precision.dtype == torch_dtype
+    probe = DtypeProbe()
+    t.register_hooks([probe])
+    t.train()
+    assert probe.dtypes and set(probe.dtypes) == {torch_dtype}
+    teacher_state = t.teacher.state_dict()
+    assert all(v.dtype in (torch.float32, torch.int64) for v in teacher_state.values())
+    final = load_ckpt(straight_out / "model_final.pth")
+    assert ("grad_scaler" in final["trainer"]["_trainer"]) == (dtype == "fp16")
+
+    resumed_out = work.dir / f"amp_{dtype}_resumed"
+    opts = tiny_opts(work.root, resumed_out, work.cache, max_iter=6, extra=amp)
+
+    class Stop(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 2:
+                raise KeyboardInterrupt
+
+    t = build_trainer("braixdet", opts)
+    t.register_hooks([Stop()])
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    t = build_trainer("braixdet", opts, resume=True)
+    assert t.start_iter == 3
+    t.train()
+    resumed = load_ckpt(resumed_out / "model_final.pth")
+    assert_state_equal(final["model"], resumed["model"], "student")
+    assert_state_equal(final["teacher"], resumed["teacher"], "teacher")
+    if dtype == "fp16":
+        assert final["trainer"]["_trainer"]["grad_scaler"] == resumed["trainer"]["_trainer"]["grad_scaler"]
+
+
+@pytest.mark.parametrize("key,value", [
+    ("TEST.PRECISE_BN.ENABLED", "True"), ("TEST.AUG.ENABLED", "True"),
+    ("DATALOADER.SAMPLER_TRAIN", "RepeatFactorTrainingSampler"),
+    ("DATALOADER.FILTER_EMPTY_ANNOTATIONS", "True"), ("MODEL.BACKBONE.FREEZE_AT", "2"),
+    ("INPUT.MIN_SIZE_TEST", "1000"), ("INPUT.RANDOM_FLIP", "vertical"), ("MODEL.MASK_ON", "True"),
+])
+def test_detectron2_keys_we_do_not_honour_are_refused(key, value):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        build_cfg(CONFIGS["braixdet"], [key, value])
+    build_cfg(CONFIGS["braixdet"])  # the shipped configs leave them alone
+
+
+def test_every_shipped_config_resolves_from_epochs():
+    """The paper configs ask for 20 epochs per stage (MAX_ITER -1)."""
+    for path in ("MVCCL/mvccl.yaml", "BRAIxDet/braixdet.yaml", "baselines/faster_rcnn.yaml"):
+        cfg = build_cfg(os.path.join(os.path.dirname(CONFIGS["mvccl"]), "..", "..", path))
+        assert cfg.SOLVER.MAX_ITER == -1 and cfg.SOLVER.BRAIXDET.EPOCHS == 20
+        assert cfg.TEST.EVAL_PERIOD == -1
