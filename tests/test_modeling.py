@@ -230,6 +230,25 @@ def test_rcnn_train_step(multi_view):
         assert lcm.to_main.attn.in_proj_weight.grad is not None
 
 
+def test_grad_checkpointing_gives_the_same_losses_and_gradients():
+    """MODEL.BRAIXDET.GRAD_CHECKPOINTING recomputes the encoder in backward (timm): same
+    numbers as without it."""
+    grads = []
+    for ckpt in (False, True):
+        model, _ = build(seed=3, **{"MODEL.BRAIXDET.GRAD_CHECKPOINTING": ckpt})
+        assert model.backbone.bottom_up.encoder.body.grad_checkpointing == ckpt
+        model.train()
+        torch.manual_seed(5)  # same RPN / ROI sampling
+        with EventStorage():
+            losses = model(make_inputs(2, boxes=True))
+        sum(losses.values()).backward()
+        grads.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()
+                               if p.grad is not None}))
+    (l0, g0), (l1, g1) = grads
+    assert all(torch.allclose(l0[k], l1[k], atol=1e-6) for k in l0)
+    assert g0.keys() == g1.keys() and all(torch.allclose(g0[k], g1[k], atol=1e-5) for k in g0)
+
+
 def test_rcnn_inference_original_coords():
     model, _ = build()
     inputs = make_inputs(2, seed=2)

@@ -27,7 +27,7 @@ class TimmBackbone(Backbone):
     """A timm `features_only` model for grey images; outputs res2..res5 (strides 4..32)."""
 
     def __init__(self, model_name="efficientnet_b0", out_features=("res3", "res4", "res5"),
-                 pretrained="", in_chans=1):
+                 pretrained="", in_chans=1, grad_checkpointing=False):
         super().__init__()
         # Probe the stage layout on the meta device (no memory, no download) to pick out_indices.
         with torch.device("meta"):
@@ -45,6 +45,8 @@ class TimmBackbone(Backbone):
         del probe
         self.body = create_pretrained(model_name, pretrained, features_only=True,
                                       in_chans=in_chans, out_indices=indices)
+        if grad_checkpointing:
+            self.body.set_grad_checkpointing(True)
         info = self.body.feature_info
         self._out_features = list(out_features)
         self._out_feature_channels = dict(zip(out_features, info.channels()))
@@ -128,6 +130,7 @@ def _encoder_from_cfg(cfg, extra_features=()) -> TimmBackbone:
     features = tuple(dict.fromkeys([*b.OUT_FEATURES, *extra_features]))
     return TimmBackbone(
         b.TIMM_MODEL, out_features=features, pretrained=encoder_init(cfg), in_chans=b.IN_CHANS,
+        grad_checkpointing=b.GRAD_CHECKPOINTING,
     )
 
 
