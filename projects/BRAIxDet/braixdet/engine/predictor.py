@@ -1,0 +1,255 @@
+"""Exam-level inference on DICOM files, the package's DefaultPredictor: files in, boxes out.
+
+detectron2's ``DefaultPredictor`` (detectron2/engine/defaults.py) owns single-image inference;
+here a "sample" is an exam, because each image is detected with its ipsilateral partner view as
+the auxiliary input. ``ExamPredictor``:
+
+* reads DICOM headers, groups the images into exams (StudyInstanceUID) and breasts (laterality),
+  and pairs CC <-> MLO with the training pairing rule (``braixdet/data/pairing.py``): every image
+  is the main view once; a missing partner makes the image its own auxiliary view, as in
+  training, counted as ``aux_missing`` in the report;
+* computes every image's canonical pixels through the SAME code as training and evaluation:
+  the ``CanonicalCache`` of a test-time ``MultiViewDatasetMapper`` built from the config
+  (``braixdet/data/mapper.py``; same canonical size, mask parameters, 16-bit quantisation,
+  format), so the model never sees other pixels at inference than in evaluation;
+* encodes each image once per exam (``MultiViewRCNN.inference_exam``) and returns, per image, the
+  boxes in ORIGINAL DICOM pixel coordinates with their scores.
+
+Cache folder (choice): ``INPUT.BRAIXDET.CACHE_DIR`` when set (entries shared with training and
+evaluation, keyed by path, size, mtime and laterality, so images seen there are not decoded
+again); otherwise a private temporary folder, deleted by ``close()`` (or when the predictor is
+garbage collected), so inference leaves no canonical images of patients behind. The mapper's
+default (``<OUTPUT_DIR>/../cache``) is not used: a prediction run has no training OUTPUT_DIR.
+
+Unreadable files and images without a CC/MLO view or laterality are one line each in the
+``BadInputReport`` and never stop the run; the other images of the exam are still predicted
+(a partner lost that way makes its pair ``aux_missing``).
+"""
+import dataclasses
+import logging
+import os
+import tempfile
+from collections import defaultdict
+from typing import Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+from detectron2.modeling import build_model
+from detectron2.structures import Instances
+
+from ..data.dicom import DicomMeta, read_dicom_meta
+from ..data.mapper import MultiViewDatasetMapper
+from ..data.pairing import pair_views
+from ..data.report import BadInputError, BadInputReport
+from ..data.views import normalize_laterality, normalize_view
+from .setup import load_inference_weights
+
+__all__ = ["DICOM_SUFFIXES", "Exam", "ExamPredictor", "ImagePrediction", "ViewPair",
+           "find_dicoms", "group_exams", "pair_exam", "read_metas"]
+
+logger = logging.getLogger(__name__)
+
+DICOM_SUFFIXES = (".dcm", ".dicom", "")  # files in an input folder; "" = no extension
+
+
+@dataclasses.dataclass(frozen=True)
+class Exam:
+    """The images of one study, sorted by (laterality, view, SOPInstanceUID, path)."""
+
+    study_uid: str
+    images: tuple  # of DicomMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewPair:
+    """One detection input: ``main`` with its partner view ``aux`` (None: no partner, the main
+    image is its own auxiliary view)."""
+
+    main: DicomMeta
+    aux: Optional[DicomMeta]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImagePrediction:
+    """Detections of one image. ``instances``: CPU ``Instances`` of size (rows, cols) with
+    ``pred_boxes`` (XYXY, original DICOM pixels), ``scores`` and ``pred_classes``."""
+
+    meta: DicomMeta
+    aux_sop_uid: str  # the partner view used as auxiliary input (its own UID when aux_missing)
+    aux_missing: bool
+    instances: Instances
+
+    @property
+    def boxes(self) -> np.ndarray:
+        return self.instances.pred_boxes.tensor.numpy()
+
+    @property
+    def scores(self) -> np.ndarray:
+        return self.instances.scores.numpy()
+
+
+def find_dicoms(inputs: Iterable[str]) -> List[str]:
+    """Files given directly, plus the DICOM-named files under given folders; sorted, unique."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    files = set()
+    for p in map(os.fspath, inputs):
+        if os.path.isdir(p):
+            for dirpath, _, names in os.walk(p):
+                files.update(os.path.join(dirpath, n) for n in names
+                             if os.path.splitext(n)[1].lower() in DICOM_SUFFIXES)
+        else:
+            files.add(p)  # a missing file is reported by read_metas
+    return sorted({os.path.normpath(f) for f in files})
+
+
+def read_metas(files: Iterable[str], report: BadInputReport,
+               allow_for_processing=False) -> List[DicomMeta]:
+    """Header of every readable file; each unreadable one is one line in ``report``."""
+    metas = []
+    for f in files:
+        try:
+            metas.append(read_dicom_meta(f, allow_for_processing=allow_for_processing))
+        except BadInputError as e:
+            report.add(e)
+    return metas
+
+
+def group_exams(metas: Iterable[DicomMeta], report: BadInputReport) -> List[Exam]:
+    """Exams (by StudyInstanceUID) of the CC/MLO images with a laterality, sorted by UID.
+
+    An image without a CC/MLO-like view or laterality is reported (``unknown_view``) and left
+    out. An image without StudyInstanceUID is an exam of its own (counted ``no_study_uid``):
+    pairing it with other such images could pair two patients.
+    """
+    exams = defaultdict(list)
+    for m in metas:
+        lat, view = normalize_laterality(m.laterality or ""), normalize_view(m.view or "")
+        if lat is None or view is None:
+            report.add(BadInputError(m.path, "unknown_view",
+                                     f"laterality={m.laterality} view={m.view}"))
+            continue
+        if (lat, view) != (m.laterality, m.view):
+            m = dataclasses.replace(m, laterality=lat, view=view)
+        if not m.study_uid:
+            report.count("no_study_uid")
+        exams[(m.study_uid, "" if m.study_uid else os.path.abspath(m.path))].append(m)
+    return [Exam(study_uid=uid, images=tuple(sorted(
+        v, key=lambda m: (m.laterality, m.view, m.sop_uid, m.path))))
+        for (uid, _), v in sorted(exams.items())]
+
+
+def pair_exam(images: Sequence[DicomMeta], report: Optional[BadInputReport] = None
+              ) -> List[ViewPair]:
+    """CC <-> MLO pairs of one exam's images (``group_exams`` order), by the training rule of
+    ``braixdet.data.pairing.pair_views``: partner = the other view of the same breast, the
+    first by SOPInstanceUID among repeat acquisitions; none -> ``aux=None``, counted
+    ``aux_missing`` in ``report``."""
+    by_path = {m.path: m for m in images}
+    if len(by_path) != len(images):
+        raise ValueError("pair_exam: the same file twice in one exam")
+    dicts = [{"patient_id": "", "exam_id": "", "laterality": m.laterality, "view": m.view,
+              "image_id": m.sop_uid, "file_name": m.path} for m in images]
+    pair_views(dicts, report)
+    return [ViewPair(main=m, aux=None if d["aux_missing"] else by_path[d["aux_file_name"]])
+            for m, d in zip(images, dicts)]
+
+
+class ExamPredictor:
+    """Build the model of ``cfg`` with ``weights`` (the teacher when the checkpoint holds one)
+    and detect on DICOM exams::
+
+        predictor = ExamPredictor(cfg, "output/braixdet/model_final_teacher.pth")
+        for p in predictor(["/exams/2024-06/"]):
+            print(p.meta.sop_uid, p.boxes, p.scores)
+
+    ``share_features=False`` runs the model once per (main, aux) pair instead of encoding each
+    image once per exam (same detections; for checking). ``cache_dir``: see the module doc.
+    """
+
+    def __init__(self, cfg, weights: str, share_features: bool = True,
+                 cache_dir: Optional[str] = None):
+        cfg = cfg.clone()
+        cfg.defrost()
+        cfg.MODEL.WEIGHTS = str(weights)  # the encoder is not built from ImageNet weights
+        cfg.freeze()
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        load_inference_weights(self.model, weights)
+        self.model.eval()
+        self.share_features = bool(share_features)
+        self.allow_for_processing = bool(cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING)
+        self._tmp = None
+        cache_dir = cache_dir or cfg.INPUT.BRAIXDET.CACHE_DIR
+        if not cache_dir:
+            self._tmp = tempfile.TemporaryDirectory(prefix="braixdet-predict-cache-")
+            cache_dir = self._tmp.name
+        # The test-time mapper of evaluation, for its cache: same parameters, same pixels.
+        self.mapper = MultiViewDatasetMapper(
+            **{**MultiViewDatasetMapper.from_config(cfg, is_train=False), "cache_dir": cache_dir})
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self):
+        """Delete the temporary cache folder (if this predictor made one)."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def exams(self, inputs: Iterable[str], report: BadInputReport) -> List[Exam]:
+        """Exams of the DICOM files and folders ``inputs`` (headers only)."""
+        return group_exams(read_metas(find_dicoms(inputs), report, self.allow_for_processing),
+                           report)
+
+    def load(self, meta: DicomMeta):
+        """(canonical (1, H, W) float32 tensor, original -> canonical transform) of one image,
+        from the mapper's cache (computed on a miss). Raises BadInputError."""
+        try:
+            img, tfm = self.mapper.cache.get(meta.path, meta.laterality)
+        except ValueError as e:  # e.g. an empty image; the mapper skips these too
+            raise BadInputError(meta.path, "unsupported", str(e).replace("\n", " ")) from None
+        return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)[None]), tfm
+
+    # -- inference ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_exam(self, exam: Exam, report: BadInputReport) -> List[ImagePrediction]:
+        """Detections of every readable image of one exam, in ``exam.images`` order."""
+        loaded = {}
+        for m in exam.images:
+            try:
+                loaded[m.path] = self.load(m)
+            except BadInputError as e:
+                report.add(e)
+        good = [m for m in exam.images if m.path in loaded]
+        if not good:
+            return []
+        pairs = pair_exam(good, report)  # after loading: a lost partner makes aux_missing
+        idx = {m.path: i for i, m in enumerate(good)}
+        images = [loaded[m.path][0] for m in good]
+        transforms = [loaded[m.path][1] for m in good]
+        sizes = [(int(m.rows), int(m.cols)) for m in good]  # as the dataset dicts' height/width
+        index_pairs = [(idx[p.main.path], idx[(p.aux or p.main).path]) for p in pairs]
+        if self.share_features:
+            outs = self.model.inference_exam(images, index_pairs, transforms=transforms,
+                                             sizes=sizes)
+        else:
+            outs = [self.model([{"image": images[mi], "aux_image": images[ai],
+                                 "transforms": transforms[mi], "height": sizes[mi][0],
+                                 "width": sizes[mi][1]}])[0] for mi, ai in index_pairs]
+        return [ImagePrediction(meta=p.main, aux_sop_uid=(p.aux or p.main).sop_uid,
+                                aux_missing=p.aux is None, instances=o["instances"].to("cpu"))
+                for p, o in zip(pairs, outs)]
+
+    def __call__(self, inputs: Iterable[str], report: Optional[BadInputReport] = None
+                 ) -> List[ImagePrediction]:
+        """Detections of every readable image under ``inputs`` (DICOM files or folders), exam
+        by exam; problems go to ``report`` (a fresh one, logged only, when None)."""
+        report = report if report is not None else BadInputReport("predict")
+        return [p for exam in self.exams(inputs, report)
+                for p in self.predict_exam(exam, report)]

@@ -1,0 +1,213 @@
+"""braixdet.engine.ExamPredictor: same detections as the evaluation path, exam grouping and
+pairing from DICOM tags, bad files reported while the others are predicted."""
+import json
+import os
+import sys
+
+import pydicom
+import pytest
+import torch
+from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.evaluation import DatasetEvaluator, inference_on_dataset
+from detectron2.modeling import build_model
+
+from braixdet.data.build import build_multiview_test_loader, get_dicts
+from braixdet.data.dicom import DicomMeta, read_dicom_meta
+from braixdet.data.mapper import MultiViewDatasetMapper
+from braixdet.data.report import BadInputReport
+from braixdet.engine import ExamPredictor
+from braixdet.engine.checkpoint import export_model_only
+from braixdet.engine.predictor import group_exams, pair_exam
+from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
+TINY = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNSAMPLE", "2",
+        "MODEL.BRAIXDET.PRETRAINED", "", "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "",
+        "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"]
+
+
+def _copy_with_study(src, dst, study_uid):
+    """Copy of a DICOM with another StudyInstanceUID (pixel data and SOP UID unchanged)."""
+    ds = pydicom.dcmread(src)
+    ds.StudyInstanceUID = study_uid
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    ds.save_as(dst, enforce_file_format=True)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def setup(synthetic_root, tmp_path_factory):
+    """Tiny random detector exported to a file, the registered synthetic test split, and exam
+    folders: the synthetic CBIS views each have their own StudyInstanceUID (as in CBIS-DDSM),
+    so the copies share one per patient, as the dataset loader's exam_id does."""
+    tmp = tmp_path_factory.mktemp("predictor")
+    opts = ["DATASETS.BRAIXDET.ROOT", synthetic_root.root, "DATASETS.BRAIXDET.PROTOCOL", "full",
+            "DATASETS.BRAIXDET.SPLIT_DIR", str(tmp / "splits"), "OUTPUT_DIR", str(tmp / "o"),
+            "INPUT.BRAIXDET.CACHE_DIR", str(tmp / "eval_cache"), *TINY]
+    cfg = build_cfg(DEMO, opts)
+    names = register_and_assign_datasets(cfg)
+    cfg.freeze()
+    torch.manual_seed(0)
+    weights = export_model_only(build_model(cfg), str(tmp / "w.pth"))
+    test = get_dicts(names["test_cls"])
+    exam_ids = sorted({d["exam_id"] for d in test})[:2]
+    dicts = [d for d in test if d["exam_id"] in exam_ids]
+    exams = tmp / "exams"
+    for d in dicts:
+        study = f"1.2.826.0.1.3680043.99.{exam_ids.index(d['exam_id']) + 1}"
+        for src in {d["file_name"], d["aux_file_name"]}:
+            dst = exams / d["exam_id"] / (read_dicom_meta(src).sop_uid + ".dcm")
+            if not dst.exists():
+                _copy_with_study(src, str(dst), study)
+    return {"cfg": cfg, "weights": weights, "dicts": dicts, "exams": exams, "tmp": tmp}
+
+
+class _Collect(DatasetEvaluator):
+    def reset(self):
+        self.outputs = {}
+
+    def process(self, inputs, outputs):
+        for i, o in zip(inputs, outputs):
+            self.outputs[i["file_name"]] = o["instances"].to("cpu")
+
+    def evaluate(self):
+        return {}
+
+
+def _sorted(boxes, scores):
+    order = sorted(range(len(scores)), key=lambda i: (-round(float(scores[i]), 4),
+                                                      [round(float(v), 1) for v in boxes[i]]))
+    return boxes[order], scores[order]
+
+
+def test_predictor_equals_evaluation_path(setup):
+    """Same image, same aux partner: the predictor (DICOM tags, exam pairing, one encoding per
+    image per exam) gives the boxes and scores of the model run on the registered dataset
+    through build_multiview_test_loader + inference_on_dataset (evaluation)."""
+    cfg, dicts = setup["cfg"], setup["dicts"]
+    eval_cfg = cfg.clone()
+    eval_cfg.defrost()
+    eval_cfg.MODEL.WEIGHTS = setup["weights"]
+    report = BadInputReport("predict")
+    with ExamPredictor(cfg.clone(), setup["weights"]) as predictor:
+        assert predictor.mapper.cache.root.startswith(str(setup["tmp"] / "eval_cache"))
+        preds = {p.meta.sop_uid: p for p in predictor([str(setup["exams"])], report)}
+        # the model inputs themselves: bit-identical to the evaluation mapper's (its cache
+        # entries are the originals', computed apart from the copies' the predictor read)
+        mapper = MultiViewDatasetMapper(eval_cfg, is_train=False)
+        copies = {read_dicom_meta(f).sop_uid: f for f in setup["exams"].rglob("*.dcm")}
+        for d in dicts:
+            ref = mapper(dict(d))
+            for key, name in (("image", "file_name"), ("aux_image", "aux_file_name")):
+                meta = read_dicom_meta(copies[read_dicom_meta(d[name]).sop_uid])
+                pixels, tfm = predictor.load(meta)
+                assert torch.equal(pixels, ref[key])
+            main = read_dicom_meta(copies[read_dicom_meta(d["file_name"]).sop_uid])
+            assert str(predictor.load(main)[1]) == str(ref["transforms"])
+    assert report.num_bad == 0 and report.counts.get("aux_missing", 0) == 0, report.summary()
+
+    model = build_model(eval_cfg)
+    DetectionCheckpointer(model).load(setup["weights"])
+    model.eval()
+    collect = _Collect()
+    inference_on_dataset(model, build_multiview_test_loader(eval_cfg, dicts, num_workers=0),
+                         collect)
+
+    compared = 0
+    assert len(collect.outputs) == len(dicts) >= 4
+    for d in dicts:
+        sop, aux_sop = read_dicom_meta(d["file_name"]).sop_uid, \
+            read_dicom_meta(d["aux_file_name"]).sop_uid
+        p, ref = preds[sop], collect.outputs[d["file_name"]]
+        assert (p.aux_sop_uid, p.aux_missing) == (aux_sop, d["aux_missing"])
+        assert p.instances.image_size == ref.image_size == (d["height"], d["width"])
+        assert len(p.scores) == len(ref.scores) > 0
+        a_boxes, a_scores = _sorted(p.boxes, p.scores)
+        b_boxes, b_scores = _sorted(ref.pred_boxes.tensor.numpy(), ref.scores.numpy())
+        assert abs(a_scores - b_scores).max() <= 1e-4
+        assert abs(a_boxes - b_boxes).max() <= 1e-3  # original pixels
+        compared += len(p.scores)
+    assert compared > 0
+
+
+def _meta(path, study, lat, view, sop):
+    return DicomMeta(path=path, laterality=lat, view=view, study_uid=study, series_uid="s",
+                     sop_uid=sop, patient_id="", modality="MG", rows=10, cols=8,
+                     photometric="MONOCHROME2", presentation_intent="")
+
+
+def test_exam_grouping_and_pairing_from_tags():
+    """Two studies; study A: left CC acquired twice + left MLO, right CC without MLO (aux
+    missing); study B: one breast; a file without view and one without StudyInstanceUID."""
+    metas = [
+        _meta("a1", "A", "L", "CC", "1.5"), _meta("a2", "A", "L", "CC", "1.3"),
+        _meta("a3", "A", "L", "MLO", "1.4"), _meta("a4", "A", "R", "CC", "1.6"),
+        _meta("b1", "B", "R", "MLO", "2.2"), _meta("b2", "B", "R", "CC", "2.1"),
+        _meta("x", "A", "L", None, "9"), _meta("n1", "", "L", "CC", "3.1"),
+        _meta("n2", "", "L", "MLO", "3.2"),
+    ]
+    report = BadInputReport("t")
+    exams = group_exams(metas, report)
+    assert report.counts["unknown_view"] == 1 and report.errors[0]["path"] == "x"
+    assert report.counts["no_study_uid"] == 2
+    assert [(e.study_uid, [m.path for m in e.images]) for e in exams] == [
+        ("", ["n1"]), ("", ["n2"]),  # never paired with each other: one exam each
+        ("A", ["a2", "a1", "a3", "a4"]), ("B", ["b2", "b1"])]
+    pairs = {e.study_uid + p.main.path: p.aux and p.aux.path
+             for e in exams for p in pair_exam(e.images, report)}
+    assert pairs == {
+        "n1": None, "n2": None,
+        "Aa1": "a3", "Aa2": "a3",  # each repeat acquisition is main once, with the MLO
+        "Aa3": "a2",  # the MLO's partner: the first CC by SOPInstanceUID
+        "Aa4": None,  # right CC, no right MLO
+        "Bb1": "b2", "Bb2": "b1",
+    }
+    assert report.counts["aux_missing"] == 3
+
+
+def test_unreadable_files_are_reported_and_the_others_predicted(setup, tmp_path):
+    """A non-DICOM file and a DICOM whose pixel data is cut off, among good files of one exam:
+    one report line each; the others predicted (the cut file's partner without aux)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import predict
+
+    exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
+    good = sorted(exam.iterdir())
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for f in good:
+        (inp / f.name).write_bytes(f.read_bytes())
+    (inp / "notes.dcm").write_text("not a DICOM\n")
+    victim = read_dicom_meta(good[0])
+    data = (inp / good[0].name).read_bytes()
+    (inp / good[0].name).write_bytes(data[: len(data) - len(data) // 4])
+    out = tmp_path / "out"
+    records = predict.main(["--config-file", DEMO, "--weights", setup["weights"], "--input",
+                            str(inp), "--out", str(out), "--score-thresh", "0.0", *TINY])
+    rep = json.loads((out / "report.json").read_text())
+    assert sorted((os.path.basename(e["path"]), e["reason"]) for e in rep["errors"]) == \
+        sorted([("notes.dcm", "not_dicom"), (good[0].name, "truncated")])
+    uids = {r["sop_instance_uid"]: r for r in records}
+    assert set(uids) == {read_dicom_meta(f).sop_uid for f in good[1:]}
+    partner = [r for r in records if r["laterality"] == victim.laterality]
+    assert [r["aux_missing"] for r in partner] == [True]
+    assert rep["counts"]["aux_missing"] == 1
+    assert all(r["detections"] for r in records)
+    assert json.loads((out / "predictions.json").read_text())["images"] == records
+    assert len(list(out.glob("*.png"))) == len(records)
+
+
+def test_private_cache_folder_is_removed_on_close(setup):
+    """Without INPUT.BRAIXDET.CACHE_DIR the canonical images go to a temporary folder that
+    close() deletes: no canonical patient images are left behind."""
+    cfg = setup["cfg"].clone()
+    cfg.defrost()
+    cfg.INPUT.BRAIXDET.CACHE_DIR = ""
+    predictor = ExamPredictor(cfg, setup["weights"])
+    exam = sorted(setup["exams"].iterdir())[0]
+    assert predictor([str(exam)])
+    root = predictor.mapper.cache.root
+    assert os.path.isdir(root) and not root.startswith(str(setup["tmp"]))
+    predictor.close()
+    assert not os.path.exists(os.path.dirname(root))
