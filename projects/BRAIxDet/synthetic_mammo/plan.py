@@ -57,18 +57,26 @@ def breast_geometry(rng, rows, cols):
     }
 
 
-def sample_lesion(rng, kind, malignant, cols):
-    """Lesion parameters; malignant vs benign differ in distribution, with overlap."""
+def sample_lesion(rng, kind, malignant, cols, separation=1.0):
+    """Lesion parameters; malignant vs benign differ in distribution, with overlap.
+
+    ``separation`` >= 1 pulls the two distributions apart (more spiculated, higher-contrast
+    malignant masses, fewer spiculated benign ones, brighter malignant calcifications); 1 is the
+    original overlap. Same random draws whatever its value.
+    """
+    s = float(separation)
     if kind == "mass":
-        spiculated = rng.uniform() < (0.7 if malignant else 0.2)
+        spiculated = rng.uniform() < (1 - 0.3 / s if malignant else 0.2 / s)
         diam = rng.uniform(0.06, 0.11) * cols
         les = {
             "type": "mass",
             "radius": diam / 2,
-            "irregularity": float(rng.uniform(0.10, 0.35) if malignant else rng.uniform(0, 0.2)),
+            "irregularity": float(rng.uniform(min(0.10 * s, 0.3), 0.35) if malignant
+                                  else rng.uniform(0, 0.2)),
             "spikes": int(rng.integers(5, 11)) if spiculated else 0,
             "blur": float(rng.uniform(0.4, 1.2) if spiculated else rng.uniform(0.5, 2.0)),
-            "contrast": float(np.clip(rng.normal(0.18 if malignant else 0.14, 0.05), 0.07, 0.35)),
+            "contrast": float(np.clip(rng.normal(0.14 + 0.04 * s if malignant else 0.14, 0.05),
+                                      0.07, 0.35)),
         }
         irregular = les["irregularity"] > 0.2
         les["shape"] = ("IRREGULAR" if irregular else
@@ -85,7 +93,8 @@ def sample_lesion(rng, kind, malignant, cols):
         "n_dots": int(rng.integers(8, 16) if malignant else rng.integers(4, 10)),
         "tightness": float(rng.uniform(0.3, 0.5) if malignant else rng.uniform(0.45, 0.7)),
         "pleomorphism": float(rng.uniform(0.5, 1.0) if malignant else rng.uniform(0.0, 0.6)),
-        "contrast": float(np.clip(rng.normal(0.42 if malignant else 0.36, 0.06), 0.2, 0.6)),
+        "contrast": float(np.clip(rng.normal(0.36 + 0.06 * s if malignant else 0.36, 0.06),
+                                  0.2, 0.6)),
     }
     les["calc_type"] = ("PLEOMORPHIC" if les["pleomorphism"] > 0.55 else
                         str(rng.choice(["PUNCTATE", "ROUND_AND_REGULAR", "AMORPHOUS"])))

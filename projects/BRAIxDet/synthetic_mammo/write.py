@@ -149,7 +149,7 @@ def _encoding_quirks(rng, n_images, rows, cols, monochrome1_fraction, jpeg2000_f
 def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_rate=0.6,
                            malignant_fraction=0.5, test_fraction=0.25, seed=0,
                            monochrome1_fraction=0.15, jpeg2000_fraction=0.15, progress=True,
-                           truth_path=None, swap_fraction=0.1):
+                           truth_path=None, swap_fraction=0.1, separation=1.0):
     """Generates the dataset under ``out_dir``; returns a summary dict (see module doc).
 
     ``image_size`` = (rows, cols) of the original mammograms. The summary's ``truth`` lists every
@@ -157,6 +157,7 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     ``anon_xxxxx``), laterality, view, split, label, raw identifiers written into the DICOM
     (so tests can check they never leak), and lesions with ROI files, pathology and bbox.
     ``truth_path`` (outside the dataset folder) optionally receives the summary as JSON.
+    ``separation``: how far malignant and benign lesions differ (see plan.sample_lesion).
     """
     from tqdm import tqdm
 
@@ -191,7 +192,7 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
             geo = breast_geometry(prng, rows, cols)
             masks = {v: breast_masks(geo, v, rows, cols) for v in VIEWS}
             allowed = {v: lesion_room(*masks[v]) for v in VIEWS}
-            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols)
+            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, separation)
                        for k in range(bp["n"])]
             lesions = place_lesions(prng, lesions, geo, allowed, rows, cols)
             kind = lesions[0]["type"] if lesions else "mass"
