@@ -1,12 +1,22 @@
 """Shared helpers of the benchmarks: threads/environment line, tiny configs, synthetic data,
-interleaved timing and markdown tables.
+device / AMP / peak-memory handling, synchronised interleaved timing and markdown tables.
+
+Every model benchmark takes ``--device`` (default ``cuda`` when available, else ``cpu``),
+``--amp`` / ``--compare-amp`` (``add_device_args``) and calls ``set_device`` once: ``timeit``
+(and so ``interleaved``) then synchronises the device before reading the clock, ``measure_peak``
+reads the peak memory of one call (CUDA: ``max_memory_allocated`` after
+``reset_peak_memory_stats``; CPU: n/a per variant, the process's peak RSS is reported instead).
 
 Benchmarks are run as scripts (``python benchmarks/benchmark_x.py``), so this module is imported
 as ``_common`` (the script's folder is on ``sys.path``).
 """
+import contextlib
+import inspect
 import os
 import platform
+import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -53,7 +63,8 @@ def cpu_model():
 
 def env_line():
     la, la0 = load_average(), _START_LOAD or load_average()
-    line = (f"torch {torch.__version__}, threads {torch.get_num_threads()}, {cpu_model()} "
+    line = (f"{device_line()}; "
+            f"torch {torch.__version__}, threads {torch.get_num_threads()}, {cpu_model()} "
             f"({os.cpu_count()} cores), python {platform.python_version()}, "
             f"load average (1/5/15 min) at start {la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f}, "
             f"at end {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
@@ -73,14 +84,258 @@ def config_path(rel):
     return os.path.join(CONFIGS, rel)
 
 
+# Pretrained sources that work offline; any other (timm's "imagenet" hub weights) is replaced by
+# random init: the timing does not depend on the weights, and a benchmark must not need internet.
+_OFFLINE_PRETRAINED = ("", "efficientnet-lite0-package")
+
+
 def build_cfg(config="demo/BRAIxDet/braixdet.yaml", opts=(), output_dir=None):
-    """braixdet.engine.setup.build_cfg with stage-1 inputs cleared and OUTPUT_DIR set."""
+    """braixdet.engine.setup.build_cfg with stage-1 inputs cleared, OUTPUT_DIR set and
+    MODEL.BRAIXDET.PRETRAINED "" (random init) unless the config's source is offline (the
+    demo's efficientnet-lite0-package) or ``opts`` set it explicitly."""
     from braixdet.engine.setup import build_cfg as _build
 
     opts = list(_NO_STAGE1) + list(opts)
     if output_dir:
         opts += ["OUTPUT_DIR", output_dir]
-    return _build(config_path(config), opts)
+    cfg = _build(config_path(config), opts)
+    explicit = "MODEL.BRAIXDET.PRETRAINED" in opts[::2]
+    if not explicit and cfg.MODEL.BRAIXDET.PRETRAINED not in _OFFLINE_PRETRAINED:
+        cfg.defrost()
+        cfg.MODEL.BRAIXDET.PRETRAINED = ""
+    return cfg
+
+
+# -- device, synchronisation, peak memory, AMP ------------------------------------------------
+
+_DEVICE = "cpu"
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+AMP_INFERENCE = "torch.autocast around the calls (bf16 where supported, else fp16)"
+AMP_TRAINING = ("SOLVER.AMP.ENABLED True: the step trainer's autocast (bf16 where supported, "
+                "else fp16 with a gradient scaler)")
+
+
+def add_device_args(ap, amp=True, what=AMP_INFERENCE):
+    """--device, and (``amp``) --amp / --compare-amp; ``what`` says what --amp does."""
+    ap.add_argument("--device", default=default_device(),
+                    help="cpu | cuda | cuda:N (default: cuda when available, else cpu); "
+                         "MODEL.DEVICE, inputs and timing synchronisation follow it")
+    if amp:
+        ap.add_argument("--amp", action="store_true",
+                        help=f"mixed precision: {what}")
+        ap.add_argument("--compare-amp", action="store_true",
+                        help="run fp32 and AMP and print them side by side (time ratio, peak "
+                             "memory of each)")
+
+
+def add_grad_checkpointing_arg(ap):
+    ap.add_argument("--grad-checkpointing", action="store_true",
+                    help="MODEL.BRAIXDET.GRAD_CHECKPOINTING True (timm set_grad_checkpointing "
+                         "on the encoder)")
+
+
+def set_device(device):
+    """Validate and remember the benchmark's device (``timeit`` / ``sync`` use it)."""
+    global _DEVICE
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit(f"--device {device}: CUDA is not available here (torch "
+                     f"{torch.__version__}); use --device cpu")
+        if dev.index is not None:
+            torch.cuda.set_device(dev.index)
+    elif dev.type != "cpu":
+        sys.exit(f"--device {device}: only cpu and cuda[:N] are supported")
+    _DEVICE = str(dev)
+    return _DEVICE
+
+
+def device_type(device=None):
+    return torch.device(device or _DEVICE).type
+
+
+def is_cuda(device=None):
+    return device_type(device) == "cuda"
+
+
+def sync(device=None):
+    """Wait for the device's queued work (CUDA kernels run asynchronously): call before
+    reading a clock. A no-op on CPU."""
+    if is_cuda(device):
+        torch.cuda.synchronize(torch.device(device or _DEVICE))
+
+
+def device_opts(device=None):
+    """Config opts putting the model on the benchmark's device."""
+    return ["MODEL.DEVICE", str(device or _DEVICE)]
+
+
+def to_device(x, device=None):
+    """Tensors / Instances in (lists of) input dicts moved to the device (what a model does with
+    its inputs anyway; moving them beforehand keeps host->device copies out of the timing)."""
+    from detectron2.structures import Instances
+
+    device = device or _DEVICE
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, (torch.Tensor, Instances)):
+        return x.to(device)
+    return x
+
+
+def amp_dtype(device=None):
+    """bf16 where supported (CPU; CUDA with bf16 support), else fp16."""
+    if is_cuda(device):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
+
+
+def autocast(enabled=True, device=None):
+    """torch.autocast on the benchmark's device with ``amp_dtype`` (a no-op when disabled)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type(device), dtype=amp_dtype(device))
+
+
+def precisions(args):
+    """[False] (fp32), [True] (--amp) or [False, True] (--compare-amp)."""
+    if getattr(args, "compare_amp", False):
+        return [False, True]
+    return [bool(getattr(args, "amp", False))]
+
+
+def precision_name(amp, device=None):
+    return f"AMP {str(amp_dtype(device)).replace('torch.', '')}" if amp else "fp32"
+
+
+def amp_opts(amp):
+    """Config opts of the step trainers' mixed precision (honoured by trainers that read it)."""
+    return ["SOLVER.AMP.ENABLED", str(bool(amp))]
+
+
+GRAD_CKPT_KEY = "MODEL.BRAIXDET.GRAD_CHECKPOINTING"
+
+
+def grad_checkpointing_opts(enabled):
+    """Opts of --grad-checkpointing; exits with a clear message when the config key does not
+    exist yet (it enables timm's ``set_grad_checkpointing`` on the encoder)."""
+    if not enabled:
+        return []
+    from braixdet.engine.setup import build_cfg as _build
+
+    if "GRAD_CHECKPOINTING" not in _build("", []).MODEL.BRAIXDET:
+        sys.exit(f"--grad-checkpointing: the config key {GRAD_CKPT_KEY} does not exist in "
+                 "braixdet/config.py yet (encoder gradient checkpointing is not implemented in "
+                 "this checkout); run without --grad-checkpointing")
+    return [GRAD_CKPT_KEY, "True"]
+
+
+def make_step_trainer(cls, *args, cfg=None, **kwargs):
+    """A braixdet step trainer built as the production trainers build it from ``cfg``: its
+    constructor's ``precision`` (``Precision.from_cfg(cfg)`` of the trainer's module: AMP from
+    SOLVER.AMP.ENABLED), ``check_finite``, ``amp`` or ``cfg`` parameters are filled when it has
+    them (and not given), so SOLVER.AMP.ENABLED reaches a trainer that honours it."""
+    params = inspect.signature(cls.__init__).parameters
+    if cfg is not None:
+        module = sys.modules.get(cls.__module__)
+        precision = getattr(module, "Precision", None)
+        if "precision" in params and "precision" not in kwargs and precision is not None:
+            kwargs["precision"] = precision.from_cfg(cfg)
+        if "amp" in params and "amp" not in kwargs:
+            kwargs["amp"] = bool(cfg.SOLVER.AMP.ENABLED)
+        if ("check_finite" in params and "check_finite" not in kwargs
+                and "CHECK_FINITE" in cfg.SOLVER.BRAIXDET):
+            kwargs["check_finite"] = bool(cfg.SOLVER.BRAIXDET.CHECK_FINITE)
+        if "cfg" in params and "cfg" not in kwargs and not any(a is cfg for a in args):
+            kwargs["cfg"] = cfg
+    return cls(*args, **kwargs)
+
+
+def amp_status(requested, dtype_seen, device=None):
+    """One line: did the requested AMP reach the model (dtype of a conv output in the step)?"""
+    seen = str(dtype_seen).replace("torch.", "") if dtype_seen is not None else "?"
+    if not requested:
+        return f"fp32 (conv outputs {seen})"
+    if dtype_seen is not None and dtype_seen != torch.float32:
+        return f"AMP active (conv outputs {seen})"
+    return ("AMP requested (SOLVER.AMP.ENABLED True) but NOT active: the step trainer ran in "
+            f"fp32 (conv outputs {seen}); it does not honour SOLVER.AMP.ENABLED in this checkout")
+
+
+def autocast_seen(module, fn):
+    """Run ``fn`` once and return the dtype of the first Conv2d output of ``module`` seen during
+    it (float32 = no autocast took effect; None = no conv ran)."""
+    conv = next((m for m in module.modules() if isinstance(m, torch.nn.Conv2d)), None)
+    seen = []
+    if conv is None:
+        fn()
+        return None
+    h = conv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        fn()
+    finally:
+        h.remove()
+    return seen[0] if seen else None
+
+
+def reset_peak_memory(device=None):
+    if is_cuda(device):
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(torch.device(device or _DEVICE))
+
+
+def peak_memory_gib(device=None):
+    """CUDA: max_memory_allocated since the last reset, in GiB; CPU: None (see process_rss)."""
+    if is_cuda(device):
+        sync(device)
+        return torch.cuda.max_memory_allocated(torch.device(device or _DEVICE)) / 2**30
+    return None
+
+
+def measure_peak(fn, device=None):
+    """Peak device memory (GiB) of one call of ``fn``; None on CPU."""
+    if not is_cuda(device):
+        return None
+    torch.cuda.empty_cache()
+    reset_peak_memory(device)
+    fn()
+    return peak_memory_gib(device)
+
+
+def process_peak_rss_gib():
+    """The process's peak resident set size so far (getrusage; KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def gib(x):
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def memory_note(device=None):
+    if is_cuda(device):
+        return ("peak memory: `torch.cuda.max_memory_allocated` over one untimed call after "
+                "`reset_peak_memory_stats`, GiB")
+    return (f"peak memory: n/a per variant on CPU; process peak RSS (getrusage) "
+            f"{process_peak_rss_gib():.2f} GiB")
+
+
+def device_line(device=None):
+    dev = device or _DEVICE
+    if is_cuda(dev):
+        d = torch.device(dev)
+        name = torch.cuda.get_device_name(d)
+        total = torch.cuda.get_device_properties(d).total_memory / 2**30
+        return (f"device {dev} ({name}, {total:.0f} GiB; CUDA {torch.version.cuda}; AMP dtype "
+                f"{str(amp_dtype(dev)).replace('torch.', '')})")
+    return f"device {dev} (AMP dtype bfloat16)"
 
 
 def size_opts(size):
@@ -138,8 +393,11 @@ class CyclingLoader:
 
 
 def timeit(fn):
+    """Seconds of one call, the device synchronised before and after (``set_device``)."""
+    sync()
     t = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t
 
 

@@ -13,10 +13,14 @@
    data_time = time of ``next(loader)`` inside the step, iteration = the whole step. The loader
    variants alternate in blocks of ``--block`` steps; the first ``--settle`` steps of a block are
    not counted (a worker loader prefetches while the other variant runs, which would hide its
-   cost).
+   cost). The model runs on ``--device`` (the batches stay on the CPU, as the real loader yields
+   them: the model's host->device copy is part of the iteration); the device is synchronised
+   before every clock reading. ``--amp`` sets SOLVER.AMP.ENABLED True (a shorter GPU step makes
+   the loader's share larger); ``--grad-checkpointing`` sets MODEL.BRAIXDET.GRAD_CHECKPOINTING.
 
     .venv/bin/python benchmarks/benchmark_dataloader.py [--patients 12] [--orig 512 320]
-        [--size 256 128] [--rounds 3] [--block 4] [--out table.md]
+        [--size 256 128] [--batch 4] [--rounds 3] [--block 4] [--device cuda] [--amp]
+        [--out table.md]
 """
 import argparse
 import os
@@ -58,6 +62,8 @@ def setup(tmp, args):
         opts += C.size_opts(args.size)
     if args.batch:
         opts += ["SOLVER.IMS_PER_BATCH", str(args.batch)]
+    opts += (C.device_opts() + C.amp_opts(args.amp)
+             + C.grad_checkpointing_opts(args.grad_checkpointing))
     cfg = C.build_cfg(args.config, opts + list(args.opts), output_dir=os.path.join(tmp, "out"))
     register_and_assign_datasets(cfg)
     return cfg, t_gen
@@ -103,10 +109,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     ap.add_argument("--quick", action="store_true", help="the defaults (sized for 2 CPU cores)")
     ap.add_argument("--target", type=float, default=0.10)
+    C.add_device_args(ap, amp=False)
+    ap.add_argument("--amp", action="store_true", help=f"mixed precision: {C.AMP_TRAINING}")
+    C.add_grad_checkpointing_arg(ap)
     ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
     ap.add_argument("--out", default=None, help="also write the markdown report here")
     args = ap.parse_args()
     C.set_threads()
+    C.set_device(args.device)
 
     from braixdet.data.build import build_multiview_train_loader
     from braixdet.engine.trainers import BRAIxDetTrainer, BRAIxStepTrainer
@@ -126,8 +136,9 @@ def main():
             loader = build_multiview_train_loader(cfg, cfg.DATASETS.TRAIN, batch, seed=0,
                                                   num_workers=w)
             it = TimedIter(loader)
-            variants[w] = {"it": it, "trainer": BRAIxStepTrainer(model, it, optimizer, seed=0),
-                           "data": [], "iter": []}
+            trainer = C.make_step_trainer(BRAIxStepTrainer, model, it, optimizer, seed=0,
+                                          cfg=cfg)
+            variants[w] = {"it": it, "trainer": trainer, "data": [], "iter": []}
 
         with EventStorage(0) as storage:
             def steps(v, n, record):
@@ -147,6 +158,9 @@ def main():
                 for v in order:
                     steps(v, args.settle, False)
                     steps(v, max(1, args.block - args.settle), True)
+            for v in variants.values():
+                v["peak"] = C.measure_peak(lambda v=v: steps(v, 1, False))
+            dtype = C.autocast_seen(model, lambda: steps(next(iter(variants.values())), 1, False))
         for v in variants.values():  # shut the worker processes down
             del v["trainer"], v["it"]
 
@@ -159,7 +173,7 @@ def main():
         ratios[w] = ratio
         tag = " (config)" if w == cfg.DATALOADER.NUM_WORKERS else ""
         rows.append([f"{w}{tag}", len(v["data"]), C.ms(d), C.ms(it), C.ms(it - d),
-                     f"{100 * ratio:.1f}%", C.verdict(ratio, args.target)])
+                     C.gib(v["peak"]), f"{100 * ratio:.1f}%", C.verdict(ratio, args.target)])
     size = tuple(cfg.INPUT.BRAIXDET.CANONICAL_SIZE)
     load_rows = [
         ["cold: `CanonicalCache.get`, cache miss (decode + canonicalise + cache write)",
@@ -176,13 +190,14 @@ def main():
         f"images, DATASETS.TRAIN = {list(cfg.DATASETS.TRAIN)} ({cw['train']} dicts); canonical "
         f"{size[0]}x{size[1]}, batch {batch}; {args.rounds} alternating rounds x "
         f"{max(1, args.block - args.settle)} counted steps per loader after {args.warmup} "
-        "warm-up steps\n\n"
+        f"warm-up steps; precision: {C.amp_status(args.amp, dtype)}\n\n"
         "### Per-image load\n\n"
         + C.md_table(["load", "n", "median ms", "max ms"], load_rows)
         + f"\n\ncold / warm = {cold / warm:.1f}x\n\n"
         "### data_time vs training iteration (MultiViewRCNN, BRAIxStepTrainer.run_step)\n\n"
         + C.md_table(["workers", "steps", "data_time ms", "iteration ms", "compute ms",
-                      "data / iteration", f"target < {100 * args.target:.0f}%"], rows)
+                      "peak GiB", "data / iteration", f"target < {100 * args.target:.0f}%"], rows)
+        + f"\n\n{C.memory_note()}"
     )
     C.emit("DataLoader: data_time vs training iteration", text, args.out)
 

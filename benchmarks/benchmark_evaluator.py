@@ -5,12 +5,15 @@
 Random seeded data: each image has 0-3 GT boxes (about a third lesion-free) and `--dets`
 detections, half of them jittered copies of its GT boxes. Asserts |AP - AP_coco| <= 1e-6 and
 prints a Markdown table with the speed-up (target >= 10x; best of `--repeat` timings each).
+Both are numpy / Python on the CPU: ``--device`` is accepted for a uniform command line and only
+reported; memory is the process's peak RSS.
 """
 import argparse
 import contextlib
 import io
 import time
 
+import _common as C
 import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
@@ -79,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="best of N timings for both")
     ap.add_argument("--min-speedup", type=float, default=10.0)
+    C.add_device_args(ap, amp=False)
     args = ap.parse_args(argv)
 
     gts, dets = make_data(args.images, args.dets, args.seed)
@@ -99,6 +103,8 @@ def main(argv=None):
     print("|---|---|---|---|")
     print(f"| pycocotools COCOeval (evaluate+accumulate) | {ap_coco:.6f} | {t_coco:.3f} | 1.0x |")
     print(f"| braixdet.evaluation.metrics | {ap_ours:.6f} | {t_ours:.3f} | {speedup:.1f}x |")
+    print(f"\n{args.device} requested; the evaluation runs on the CPU. Process peak RSS "
+          f"(getrusage) {C.process_peak_rss_gib():.2f} GiB")
     if speedup < args.min_speedup:
         print(f"WARNING: speed-up {speedup:.1f}x below the {args.min_speedup:g}x target")
     return speedup

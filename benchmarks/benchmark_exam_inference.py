@@ -13,10 +13,18 @@ no_grad, on the same 4 random images at the same canonical size:
   (main, aux) inputs in one batch (8 encoder passes), and ``model([input])`` once per image.
 
 Random init; paper model (configs/BRAIxDet/braixdet.yaml: FPN/LCM 128, RPN top-k 1000) at a
-reduced size by default. Variants alternate after a warm-up; medians over repeats.
+reduced size by default. Models and images on ``--device``; variants alternate after a warm-up,
+the device synchronised before every clock reading; medians over repeats. ``--amp`` runs every
+variant under ``torch.autocast`` (bf16 where supported, else fp16); ``--compare-amp`` runs fp32
+and AMP variants interleaved and prints them side by side (time ratio, peak memory of each).
 
     .venv/bin/python benchmarks/benchmark_exam_inference.py [--size 512 256] [--repeats 5]
-        [--config BRAIxDet/braixdet.yaml] [--no-naive] [--out table.md] [--profile]
+        [--config BRAIxDet/braixdet.yaml] [--no-naive] [--device cuda] [--amp] [--compare-amp]
+        [--out table.md] [--profile]
+
+Paper size on a GPU (issue #13 table: exam inference, 4 images, ms/image):
+
+    python benchmarks/benchmark_exam_inference.py --device cuda --size 1536 768 --compare-amp
 """
 import argparse
 import cProfile
@@ -27,13 +35,14 @@ import _common as C
 import torch
 from detectron2.modeling import build_model
 
+N_IMAGES = 4  # one exam
 PAIRS = [(0, 1), (1, 0), (2, 3), (3, 2)]  # L-CC<->L-MLO, R-CC<->R-MLO
 VIEWS = ["L-CC", "L-MLO", "R-CC", "R-MLO"]
 
 
 def build(config, size, multi_view, tmp, extra):
-    opts = C.size_opts(size) + ["MODEL.BRAIXDET.MULTI_VIEW", str(bool(multi_view)),
-                                "MODEL.DEVICE", "cpu"] + list(extra)
+    opts = (C.size_opts(size) + ["MODEL.BRAIXDET.MULTI_VIEW", str(bool(multi_view))]
+            + C.device_opts() + list(extra))
     cfg = C.build_cfg(config, opts, output_dir=tmp)
     torch.manual_seed(0)  # same init of the shared parts in both models
     return build_model(cfg).eval(), cfg
@@ -49,75 +58,104 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the defaults (sized for 2 CPU cores)")
     ap.add_argument("--no-naive", action="store_true", help="skip the naive multi-view paths")
     ap.add_argument("--target", type=float, default=1.15)
+    C.add_device_args(ap)
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each (top 20)")
     ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
     ap.add_argument("--out", default=None, help="also write the markdown report here")
     args = ap.parse_args()
     C.set_threads()
+    C.set_device(args.device)
     size = tuple(args.size)
+    precs = C.precisions(args)
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_exam_") as tmp:
         mv, cfg = build(args.config, size, True, tmp, args.opts)
         sv, _ = build(args.config, size, False, tmp, args.opts)
         g = torch.Generator().manual_seed(0)
-        images = [torch.rand(1, *size, generator=g) for _ in VIEWS]
+        images = C.to_device([torch.rand(1, *size, generator=g) for _ in VIEWS])
         hw = [size] * 4
         mv_inputs = [{"image": images[m], "aux_image": images[a], "height": size[0],
                       "width": size[1]} for m, a in PAIRS]
         sv_inputs = [{"image": im, "height": size[0], "width": size[1]} for im in images]
 
-        fns = {
+        base = {
             "single": lambda: sv.inference(sv_inputs),
             "exam": lambda: mv.inference_exam(images, PAIRS, sizes=hw),
         }
         if not args.no_naive:
-            fns["naive_batch"] = lambda: mv.inference(mv_inputs)
-            fns["naive_loop"] = lambda: [mv([x]) for x in mv_inputs]
+            base["naive_batch"] = lambda: mv.inference(mv_inputs)
+            base["naive_loop"] = lambda: [mv([x]) for x in mv_inputs]
 
-        def run():
-            with torch.no_grad():
-                return C.interleaved(fns, args.repeats, args.warmup)
+        def under(fn, amp):
+            def run():
+                with torch.no_grad(), C.autocast(amp):
+                    return fn()
+            return run
 
-        times = run()
+        fns = {(n, amp): under(f, amp) for amp in precs for n, f in base.items()}
+        times = C.interleaved(fns, args.repeats, args.warmup)
+        peaks = {k: C.measure_peak(f) for k, f in fns.items()}
         if args.profile:
             for name in ("single", "exam"):
                 prof = cProfile.Profile()
-                with torch.no_grad():
-                    prof.enable()
-                    fns[name]()
-                    prof.disable()
+                prof.enable()
+                fns[(name, precs[0])]()
+                C.sync()
+                prof.disable()
                 print(f"### cProfile: {name}")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-        n_det = [len(r["instances"]) for r in fns["exam"]()]
+        n_det = [len(r["instances"]) for r in fns[("exam", precs[0])]()]
 
-    ref = C.median(times["single"])
     labels = {
         "single": "single-view Faster R-CNN, `inference` on 4 images (reference)",
         "exam": "multi-view `inference_exam` (4 encodes, 4 LCM fusions)",
         "naive_batch": "multi-view `inference` on 4 (main, aux) inputs (8 encodes), context",
         "naive_loop": "multi-view `model([x])` x 4 (8 encodes), context",
     }
+    short = {"single": "single-view `inference` (reference)", "exam": "multi-view `inference_exam`",
+             "naive_batch": "multi-view `inference`, 8 encodes",
+             "naive_loop": "multi-view `model([x])` x 4"}
     rows = []
-    for n, t in times.items():
-        pr = C.median(C.paired_ratios(times, n, "single"))
-        rows.append([labels[n], C.ms(C.median(t)), C.ms(min(t)),
-                     "{} – {}".format(*map(C.ms, C.iqr(t))),
-                     f"{pr:.2f} (medians {C.median(t) / ref:.2f}, mins "
-                     f"{min(t) / min(times['single']):.2f})"])
-    ratio = C.median(C.paired_ratios(times, "exam", "single"))
+    for (n, amp), t in times.items():
+        ref = ("single", amp)
+        pr = C.median(C.paired_ratios(times, (n, amp), ref))
+        rows.append([labels[n], C.precision_name(amp), C.ms(C.median(t)),
+                     C.ms(C.median(t) / N_IMAGES), C.ms(min(t)),
+                     "{} – {}".format(*map(C.ms, C.iqr(t))), C.gib(peaks[(n, amp)]),
+                     f"{pr:.2f} (medians {C.median(t) / C.median(times[ref]):.2f}, mins "
+                     f"{min(t) / min(times[ref]):.2f})"])
+    ratios = {amp: C.median(C.paired_ratios(times, ("exam", amp), ("single", amp)))
+              for amp in precs}
     text = (
         f"config `{args.config}` ({cfg.MODEL.BRAIXDET.TIMM_MODEL}, FPN "
         f"{cfg.MODEL.FPN.OUT_CHANNELS}, LCM {cfg.MODEL.BRAIXDET.LCM.EMBED_DIM}/"
         f"{cfg.MODEL.BRAIXDET.LCM.OUT_DIM}, RPN test top-k {cfg.MODEL.RPN.PRE_NMS_TOPK_TEST}/"
         f"{cfg.MODEL.RPN.POST_NMS_TOPK_TEST}), canonical size {size[0]}x{size[1]}, one exam of "
-        f"4 images, eval + no_grad, {args.repeats} interleaved repeats after {args.warmup} "
-        f"warm-up rounds; detections per image (exam path): {n_det}\n\n"
-        + C.md_table(["variant", "median ms", "min ms", "IQR ms",
-                      "x single-view (median of paired per-round ratios)"], rows)
-        + f"\n\ninference_exam / single-view = **{ratio:.2f}** (target <= {args.target}): "
-        + C.verdict(ratio, args.target)
+        f"{N_IMAGES} images, eval + no_grad, {args.repeats} interleaved repeats after "
+        f"{args.warmup} warm-up rounds; detections per image (exam path): {n_det}\n\n"
+        + C.md_table(["variant", "precision", "median ms", "ms/image", "min ms", "IQR ms",
+                      "peak GiB", "x single-view (median of paired per-round ratios)"], rows)
+        + f"\n\n{C.memory_note()}\n\n"
+        + "\n".join(f"inference_exam / single-view ({C.precision_name(a)}) = **{r:.2f}** "
+                    f"(target <= {args.target}): {C.verdict(r, args.target)}"
+                    for a, r in ratios.items())
     )
+    if len(precs) == 2:
+        side = []
+        for n in base_names(times):
+            a, b = C.median(times[(n, False)]), C.median(times[(n, True)])
+            ra = C.median(C.paired_ratios(times, (n, False), (n, True)))
+            side.append([short[n], C.ms(a / N_IMAGES), C.ms(b / N_IMAGES),
+                         f"{ra:.2f}x", C.gib(peaks[(n, False)]), C.gib(peaks[(n, True)])])
+        text += ("\n\n### fp32 vs " + C.precision_name(True) + " (interleaved)\n\n"
+                 + C.md_table(["variant", "fp32 ms/image", "AMP ms/image",
+                               "speed-up fp32/AMP (paired)", "fp32 peak GiB", "AMP peak GiB"],
+                              side))
     C.emit("Exam inference: multi-view vs single-view", text, args.out)
+
+
+def base_names(times):
+    return list(dict.fromkeys(n for n, _ in times))
 
 
 if __name__ == "__main__":

@@ -9,12 +9,17 @@ Prints a markdown table.
 
   python benchmarks/benchmark_preprocess.py            # 4 images 4000x3300 -> 1536x768
   python benchmarks/benchmark_preprocess.py --quick    # small sizes, a few seconds
+  python benchmarks/benchmark_preprocess.py --orig 2000 1650 --size 768 384 --num 2
+
+Preprocessing is CPU work (DICOM decode, OpenCV) whatever the training device: ``--device`` is
+accepted for a uniform command line and only reported; memory is the process's peak RSS.
 """
 import argparse
 import os
 import tempfile
 import time
 
+import _common as C
 import cv2
 import numpy as np
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless
@@ -71,6 +76,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small images (CI smoke run)")
     ap.add_argument("--num", type=int, default=None, help="number of images")
     ap.add_argument("--warm-repeats", type=int, default=3)
+    ap.add_argument("--orig", type=int, nargs=2, default=None, metavar=("H", "W"),
+                    help="synthetic DICOM size (default 4000 3300, --quick 1000 825)")
+    ap.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"),
+                    help="canonical size (default 1536 768, --quick 384 192)")
+    C.add_device_args(ap, amp=False)
     ap.add_argument("--syntax", choices=["native", "j2k", "both"], default="both",
                     help="DICOM encoding: uncompressed (CBIS-DDSM-like), JPEG 2000 lossless "
                          "(VinDr-like) or both")
@@ -79,6 +89,8 @@ def main():
         (h, w), size, num = (1000, 825), (384, 192), args.num or 3
     else:
         (h, w), size, num = (4000, 3300), (1536, 768), args.num or 4
+    (h, w) = tuple(args.orig) if args.orig else (h, w)
+    size = tuple(args.size) if args.size else size
     params = PreprocessParams(canonical_size=size)
     syntaxes = {"native": ExplicitVRLittleEndian, "j2k": JPEG2000Lossless}
     chosen = list(syntaxes) if args.syntax == "both" else [args.syntax]
@@ -110,6 +122,8 @@ def main():
               f"{1e3 * cold:.1f} ({1 / cold:.1f}) | {1e3 * warm:.1f} ({1 / warm:.1f}) | "
               f"**{ratio:.1f}x** |")
     print(f"\ntarget warm/cold >= 20x: {'met' if ok else 'NOT met for every encoding'}")
+    print(f"\n{args.device} requested; preprocessing runs on the CPU. Process peak RSS "
+          f"(getrusage) {C.process_peak_rss_gib():.2f} GiB")
 
 
 if __name__ == "__main__":
