@@ -312,8 +312,8 @@ def _decode_stored(path, ds, meta):
         elif tsyntax in JPEGTransferSyntaxes or tsyntax in JPEGLSTransferSyntaxes:
             _check_jpeg_size(path, ds.PixelData, meta.rows, meta.cols)
 
-    # pylibjpeg: openjpeg is exact for 15/16-bit lossless J2K, libjpeg does 12/16-bit JPEG and
-    # JPEG-LS. RLE: only pydicom's own decoder (pydicom falls back to the next plugin when one
+    # pylibjpeg (openjpeg) for JPEG 2000: exact for 15/16-bit lossless; JPEG Lossless and
+    # JPEG-LS go to pydicom's default (GDCM). RLE: only pydicom's own decoder (pydicom falls back to the next plugin when one
     # fails, and pylibjpeg-rle, if installed, panics with a BaseException on malformed data).
     plugin = ""
     if tsyntax == RLELossless:

@@ -132,7 +132,8 @@ def gradcam_heatmaps(model, batched_inputs, method="gradcam", target_layer="res5
                                 align_corners=False)
         heat = _minmax(cam[:, 0]).clamp_(0, 1)
         probs = torch.sigmoid(logits.detach())
-    return heat.cpu().numpy().astype(np.float32), probs.cpu().numpy().astype(np.float32)
+    # float() first: numpy has no bfloat16 (GradCAM under a bf16 autocast)
+    return heat.float().cpu().numpy(), probs.float().cpu().numpy()
 
 
 def cam_boxes_from_heatmap(heatmap: np.ndarray, tau: float = 0.5,
