@@ -1,8 +1,8 @@
 """Robust mammogram DICOM reading (pydicom 3): meta without pixels, and pixels as float32 [0, 1].
 
-Pipeline (DESIGN §2.1): stored values -> Modality LUT / rescale -> VOI LUT or window (first one)
--> invert MONOCHROME1 -> PixelPaddingValue pixels -> 0 -> [0, 1]. Without any VOI, a robust
-0.5/99.5 % percentile window is used **(choice)**. Every problem with a file becomes a
+Pipeline (docs/DESIGN.md §2.1): stored values -> Modality LUT / rescale -> VOI LUT or window
+(first one) -> invert MONOCHROME1 -> PixelPaddingValue pixels -> 0 -> [0, 1]. Without any VOI, a
+robust 0.5/99.5 % percentile window is used **(choice)**. Every problem with a file becomes a
 ``BadInputError(path, reason, detail)`` whose message is one line; nothing else escapes.
 
 Patient identifiers never leave this module in the clear: ``DicomMeta.patient_id`` is
@@ -313,8 +313,9 @@ def _decode_stored(path, ds, meta):
             _check_jpeg_size(path, ds.PixelData, meta.rows, meta.cols)
 
     # pylibjpeg (openjpeg) for JPEG 2000: exact for 15/16-bit lossless; JPEG Lossless and
-    # JPEG-LS go to pydicom's default (GDCM). RLE: only pydicom's own decoder (pydicom falls back to the next plugin when one
-    # fails, and pylibjpeg-rle, if installed, panics with a BaseException on malformed data).
+    # JPEG-LS go to pydicom's default (GDCM). RLE: only pydicom's own decoder (pydicom falls
+    # back to the next plugin when one fails, and pylibjpeg-rle, if installed, panics with a
+    # BaseException on malformed data).
     plugin = ""
     if tsyntax == RLELossless:
         plugin = "pydicom"

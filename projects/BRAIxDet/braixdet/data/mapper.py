@@ -1,4 +1,4 @@
-"""Dataset dict (DESIGN §2) -> model input: canonical main + aux views, boxes in canonical px."""
+"""Dataset dict (docs/DESIGN.md §2) -> model input: canonical main + aux views, canonical boxes."""
 import logging
 import os
 

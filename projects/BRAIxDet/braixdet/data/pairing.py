@@ -1,5 +1,5 @@
-"""Ipsilateral view pairing (DESIGN §2.3): every image is main once; its aux is the other view
-(CC <-> MLO) of the same breast in the same exam."""
+"""Ipsilateral view pairing (docs/DESIGN.md §2.3): every image is main once; its aux is the other
+view (CC <-> MLO) of the same breast in the same exam."""
 import collections
 
 from .views import normalize_view

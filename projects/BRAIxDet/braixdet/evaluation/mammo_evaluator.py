@@ -1,4 +1,4 @@
-"""Lesion-detection evaluator: AP at IoU 0.2 and FROC recall (DESIGN §5, paper §4.2)."""
+"""Lesion-detection evaluator: AP at IoU 0.2 and FROC recall (docs/DESIGN.md §5, paper §4.2)."""
 import csv
 import json
 import logging

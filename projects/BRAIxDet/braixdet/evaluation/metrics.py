@@ -1,4 +1,4 @@
-"""Pure-numpy detection metrics for one class: COCO-style AP and FROC (DESIGN §5).
+"""Pure-numpy detection metrics for one class: COCO-style AP and FROC (docs/DESIGN.md §5).
 
 Inputs everywhere:
   gts:  {image_id: (N, 4) array of XYXY boxes}          (N may be 0: a lesion-free image)

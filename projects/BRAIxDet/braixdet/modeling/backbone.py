@@ -104,7 +104,7 @@ class MultiViewBottomUp(Backbone):
         if self.lcm is None or not self.multi_view:
             return self.encode(x[:, :1])  # single view (or no fusion): aux not needed
         if x.shape[1] == 1:
-            x = x.expand(-1, 2, -1, -1)  # no aux given: the main is its own aux (DESIGN §2)
+            x = x.expand(-1, 2, -1, -1)  # no aux given: the main is its own aux (docs/DESIGN.md §2)
         b = x.shape[0]
         # Both views in ONE encoder call: shared weights, one pass, batch statistics over both.
         feats = self.encode(torch.cat([x[:, :1], x[:, 1:2]], dim=0))

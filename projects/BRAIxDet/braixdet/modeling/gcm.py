@@ -1,4 +1,4 @@
-"""Global consistency module (GCM), classifier only (DESIGN §3.3)."""
+"""Global consistency module (GCM), classifier only (docs/DESIGN.md §3.3)."""
 import torch
 import torch.nn.functional as F
 from torch import nn

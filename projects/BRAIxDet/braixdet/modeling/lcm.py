@@ -1,6 +1,6 @@
 """Local co-occurrence module (LCM), paper §3.1: ũ_m = u_m ⊕ f_l(u_m, u_a).
 
-No official code exists; this is a reconstruction (DESIGN §3.2). On the stride-32 features:
+No official code exists; this is a reconstruction (docs/DESIGN.md §3.2). On the stride-32 features:
 1x1 projections to d channels, 2D sinusoidal position encodings added to queries and keys,
 multi-head cross-attention (queries from the view being updated, keys/values from the other
 view), an output projection to D' channels, concatenation with the input features and a 1x1 conv

@@ -1,4 +1,4 @@
-"""BRAIxMVCCL multi-view classifier (stage 1, paper eq. 1; DESIGN §3.4)."""
+"""BRAIxMVCCL multi-view classifier (stage 1, paper eq. 1; docs/DESIGN.md §3.4)."""
 from typing import Dict, List
 
 import torch

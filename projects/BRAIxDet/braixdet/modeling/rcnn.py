@@ -1,4 +1,4 @@
-"""BRAIxDet detector: two-view Faster R-CNN (DESIGN §3.6), classifier -> detector weights."""
+"""BRAIxDet detector: two-view Faster R-CNN (docs/DESIGN.md §3.6), classifier -> detector init."""
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 

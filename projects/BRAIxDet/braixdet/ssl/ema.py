@@ -1,4 +1,4 @@
-"""Mean-teacher EMA and the batch-norm modes of BRAIxDet (paper §3.2-3.3, DESIGN §4).
+"""Mean-teacher EMA and the batch-norm modes of BRAIxDet (paper §3.2-3.3, docs/DESIGN.md §4).
 
 Usage in a trainer (one iteration)::
 

@@ -1,4 +1,4 @@
-"""Pseudo-labels for weakly annotated images (paper §3.3, Algorithm 2; DESIGN §4).
+"""Pseudo-labels for weakly annotated images (paper §3.3, Algorithm 2; docs/DESIGN.md §4).
 
 For a weak image with label 1 the pseudo-label is the teacher's single most confident box (after
 the teacher's own test NMS). During the first epochs of D_w (``cam_phase_active``) it is fused with

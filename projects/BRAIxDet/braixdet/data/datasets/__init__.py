@@ -1,4 +1,4 @@
-"""Dataset loaders: each returns BRAIxDet dataset dicts (DESIGN §2) with views paired."""
+"""Dataset loaders: each returns BRAIxDet dataset dicts (docs/DESIGN.md §2) with views paired."""
 from .cbis_ddsm import load_cbis_ddsm
 from .exam_csv import load_exam_csv
 from .vindr_mammo import load_vindr_mammo

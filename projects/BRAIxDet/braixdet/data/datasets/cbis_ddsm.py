@@ -1,4 +1,4 @@
-"""CBIS-DDSM loader (DESIGN §6): four case-description CSVs, one row per abnormality.
+"""CBIS-DDSM loader (docs/DESIGN.md §6): four case-description CSVs, one row per abnormality.
 
 Choices (documented in datasets/README.md):
 - one dict per physical mammogram: rows are grouped by (CSV patient ``P_xxxxx``, breast, view), so
@@ -159,7 +159,8 @@ def find_mask(candidates, image_hw, cropped_exact=None):
 
 
 def load_cbis_ddsm(root, report, allow_for_processing=False):
-    """All images of a CBIS-DDSM download as BRAIxDet dataset dicts (DESIGN §2), views paired."""
+    """All images of a CBIS-DDSM download as BRAIxDet dataset dicts (docs/DESIGN.md §2), views
+    paired."""
     root = os.path.abspath(root)
     rows_by_image = collections.defaultdict(list)  # (P_xxxxx, lat, view) -> [(split, row, where)]
     n_csv = 0

@@ -53,7 +53,7 @@ def _parse_row(row):
 
 
 def load_exam_csv(csv_path, root, report, allow_for_processing=False):
-    """Images listed in an exam CSV as BRAIxDet dataset dicts (DESIGN §2), views paired."""
+    """Images listed in an exam CSV as BRAIxDet dataset dicts (docs/DESIGN.md §2), views paired."""
     root = os.path.abspath(root)
     if not os.path.isabs(csv_path) and not os.path.isfile(csv_path):
         csv_path = os.path.join(root, csv_path)

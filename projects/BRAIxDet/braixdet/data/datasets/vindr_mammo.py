@@ -1,4 +1,4 @@
-"""VinDr-Mammo loader (DESIGN §6): breast-level + finding CSVs, images/<study_id>/<image_id>.dicom.
+"""VinDr-Mammo loader (docs/DESIGN.md §6): breast-level + finding CSVs, images/<study>/<id>.dicom.
 
 Malignant = a finding with BI-RADS in ``malignant_birads`` (default 4/5, **choice**); an image's
 label is 1 when it has one. Every image is "full" (VinDr boxes all findings). VinDr has no
@@ -37,7 +37,7 @@ def parse_birads(text):
 
 
 def load_vindr_mammo(root, report, malignant_birads=(4, 5), allow_for_processing=False):
-    """All VinDr-Mammo images as BRAIxDet dataset dicts (DESIGN §2), views paired."""
+    """All VinDr-Mammo images as BRAIxDet dataset dicts (docs/DESIGN.md §2), views paired."""
     root = os.path.abspath(root)
     malignant_birads = {int(b) for b in malignant_birads}
     breast_csv = os.path.join(root, "breast-level_annotations.csv")
