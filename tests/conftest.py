@@ -31,3 +31,13 @@ def synthetic_root(tmp_path_factory):
     assert splits["train"]["malignant_images"] >= 4, splits
     assert splits["test"]["malignant_images"] >= 2, splits
     return types.SimpleNamespace(root=str(root), summary=summary)
+
+
+@pytest.fixture(autouse=True)
+def braixdet_logs_reach_caplog():
+    """Tools run in-process call detectron2's setup_logger(name="braixdet"), which stops the
+    package's records from propagating to the root logger, where pytest's caplog listens."""
+    import logging
+
+    yield
+    logging.getLogger("braixdet").propagate = True

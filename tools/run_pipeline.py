@@ -1,17 +1,18 @@
 #!/usr/bin/env python
-"""The whole two-stage BRAIxDet pipeline on one dataset, each stage skipped when its output exists.
+"""The two-stage BRAIxDet pipeline on one dataset and seed, each stage skipped when done.
 
   python tools/run_pipeline.py --dataset cbis_ddsm --root /data/CBIS-DDSM --ratio 1/8 \
-      --num-gpus 8 --out output/cbis_r1_8_s0
+      --num-gpus 8 --out output/cbis_r1_8_s0 [--methods cam_only faster_rcnn braixdet ...]
 
 Stages (each also runnable alone with tools/train_net.py / tools/gradcam_pseudo_labels.py):
-  1. mvccl     BRAIxMVCCL classifier pre-training      -> <out>/mvccl/model_final.pth
-  2. gradcam   Algorithm 1 pseudo-boxes of weak cancers -> <out>/mvccl/gradcam_pseudo_boxes.json
-  3. braixdet  student-teacher detector (teacher kept) -> <out>/braixdet/model_final.pth
-  4. evaluate  teacher on the test split (AP@0.2, FROC) -> <out>/braixdet/eval/.../metrics.json
-Optional: --baseline (single-view Faster R-CNN on the same split), --cam-only (GradCAM boxes
-scored as detections). A killed pipeline re-run continues: finished stages are skipped and
-training stages resume from their last checkpoint.
+  mvccl                 BRAIxMVCCL classifier pre-training (D_s ∪ D_w, labels only)
+  classifier_single_view  single-view EfficientNet classifier, same data (baseline init)
+  gradcam               Algorithm 1 pseudo-boxes of the weak cancers (+ their hit rate)
+  one folder per method (METHODS): the detector, its exported model (best on validation) and
+                        its test metrics (AP@0.2, FROC)
+Every row of the paper's ablation (Table 5) is a method; stage-1 models are trained once and
+shared by the rows that need them, as in the paper. A killed pipeline re-run continues:
+finished stages are skipped and training stages resume from their last checkpoint.
 """
 import argparse
 import json
@@ -20,14 +21,43 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
 # lines worth showing while a stage runs: training progress, results, reports, problems
 PROGRESS = re.compile(r"eta: |copypaste: \S|Split \(|bad inputs:|wrote |Error|error:|"
-                      r"Initialised from|GradCAM fusion|Overall training speed")
+                      r"Initialised from|GradCAM fusion|pseudo-box quality|Schedule:|"
+                      r"Exported model|Overall training speed")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LOG_PREFIX = re.compile(r"^\[\d+/\d+ [\d:]+ [\w.]+\]:\s*")  # detectron2's "[date name]: "
+EXPORT = "model_export.pth"  # engine/trainers.py EXPORT_NAME (not imported: no torch here)
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str  # the row of the results table
+    config: str  # relative to the config root (configs/ or configs/demo/)
+    init: str  # the stage-1 model it starts from: "mvccl" | "classifier_single_view"
+    cam: bool = False  # reads the GradCAM pseudo-boxes (Algorithm 2)
+
+
+STAGE1 = {"mvccl": "MVCCL/mvccl.yaml",
+          "classifier_single_view": "MVCCL/single_view_classifier.yaml"}
+# paper Table 5 rows; "cam_only" (row 1) scores the GradCAM boxes themselves
+METHODS = {
+    "faster_rcnn": Method("Faster R-CNN", "baselines/faster_rcnn.yaml",
+                          "classifier_single_view"),
+    "faster_rcnn_mv": Method("Faster R-CNN + MV", "baselines/faster_rcnn_multiview.yaml",
+                             "mvccl"),
+    "ssl_single_view": Method("SSL (single view)", "baselines/ssl_single_view.yaml",
+                              "classifier_single_view"),
+    "mean_teacher": Method("MV + SSL (Mean Teacher)", "baselines/mean_teacher_multiview.yaml",
+                           "mvccl"),
+    "braixdet": Method("BRAIxDet", "BRAIxDet/braixdet.yaml", "mvccl", cam=True),
+}
+CAM_ONLY = "cam_only"
+PAPER_CAM = ("gradcam", "res5")
 
 
 def parse_args(argv=None):
@@ -42,19 +72,17 @@ def parse_args(argv=None):
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="output/pipeline")
-    ap.add_argument("--mvccl-config", default=os.path.join(REPO, "configs/MVCCL/mvccl.yaml"))
-    ap.add_argument("--det-config", default=os.path.join(REPO, "configs/BRAIxDet/braixdet.yaml"))
-    ap.add_argument("--baseline-config",
-                    default=os.path.join(REPO, "configs/baselines/faster_rcnn.yaml"))
-    ap.add_argument("--baseline", action="store_true", help="also train the Faster R-CNN baseline")
-    ap.add_argument("--cam-only", action="store_true", help="also score GradCAM boxes alone")
+    ap.add_argument("--configs", default=os.path.join(REPO, "configs"),
+                    help="config root: configs (paper sizes) or configs/demo")
+    ap.add_argument("--methods", nargs="+", default=["braixdet"],
+                    choices=[CAM_ONLY, *METHODS], help="rows to produce (default: braixdet)")
     ap.add_argument("--num-gpus", type=int, default=1)
     ap.add_argument("--num-machines", type=int, default=1)
     ap.add_argument("--machine-rank", type=int, default=0)
     ap.add_argument("--dist-url", default="auto")
     ap.add_argument("--opts", nargs="*", default=[], help="overrides for every stage")
-    ap.add_argument("--mvccl-opts", nargs="*", default=[])
-    ap.add_argument("--det-opts", nargs="*", default=[])
+    ap.add_argument("--stage1-opts", nargs="*", default=[], help="overrides for stage 1")
+    ap.add_argument("--det-opts", nargs="*", default=[], help="overrides for the detectors")
     return ap.parse_args(argv)
 
 
@@ -74,6 +102,9 @@ class Pipeline:
 
     def dir(self, stage):
         return os.path.join(self.out, stage)
+
+    def config(self, rel):
+        return os.path.join(self.args.configs, rel)
 
     def run(self, name, cmd):
         """Run one stage; its full output goes to <out>/logs/<name>.log, progress to stdout."""
@@ -95,37 +126,27 @@ class Pipeline:
         if proc.returncode != 0:
             sys.stdout.write("".join(tail))
             raise RuntimeError(f"stage {name} failed (exit {proc.returncode}); see {log_path}")
-        self.timings[name] = time.time() - t0
+        self.timings[name] = round(time.time() - t0, 1)
 
     def launch_args(self):
         a = self.args
         return ["--num-gpus", str(a.num_gpus), "--num-machines", str(a.num_machines),
                 "--machine-rank", str(a.machine_rank), "--dist-url", a.dist_url]
 
-    def train(self, name, config, opts):
+    def train(self, name, config, opts, done_file="model_final.pth"):
         out = self.dir(name)
-        final = os.path.join(out, "model_final.pth")
-        if os.path.exists(final):
-            print(f"=== [{name}] skipped: {final} exists")
-            return final
+        done = os.path.join(out, done_file)
+        if os.path.exists(done):
+            print(f"=== [{name}] skipped: {done} exists")
+            return done
         # --resume: a re-run after a crash continues from <out>/last_checkpoint
         self.run(name, [self.python, os.path.join(TOOLS, "train_net.py"), "--config-file",
                         config, "--resume", *self.launch_args(), *self.common,
                         "OUTPUT_DIR", out, *opts])
-        return final
+        return done
 
-    def evaluate(self, name, config, weights, opts):
-        """Test metrics of a stage: those of its end-of-training evaluation (the teacher for
-        SSL) when present, else a fresh ``--eval-only`` run."""
-        trained = os.path.join(self.dir(name), "inference", "model", self.test_name())
-        if os.path.exists(os.path.join(trained, "metrics.json")):
-            return read_metrics(trained)
-        out = os.path.join(self.dir(name), "eval")
-        self.run(f"{name}:evaluate", [
-            self.python, os.path.join(TOOLS, "train_net.py"), "--config-file", config,
-            "--eval-only", *self.launch_args(), *self.common, "OUTPUT_DIR", out,
-            "MODEL.WEIGHTS", weights, "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", *opts])
-        return read_metrics(out)
+    def stage1(self, name):
+        return self.train(name, self.config(STAGE1[name]), self.args.stage1_opts)
 
     def gradcam(self, mvccl_weights):
         out = os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
@@ -133,48 +154,90 @@ class Pipeline:
             print(f"=== [gradcam] skipped: {out} exists")
             return out
         self.run("gradcam", [self.python, os.path.join(TOOLS, "gradcam_pseudo_labels.py"),
-                             "--config-file", self.args.mvccl_config, "--weights", mvccl_weights,
-                             "--out", out, *self.common, "OUTPUT_DIR", self.dir("mvccl"),
-                             *self.args.mvccl_opts])
+                             "--config-file", self.config(STAGE1["mvccl"]), "--weights",
+                             mvccl_weights, "--out", out, *self.common, "OUTPUT_DIR",
+                             self.dir("mvccl"), *self.args.stage1_opts])
         return out
 
-    def cam_only(self, mvccl_weights, test_name):
-        out = os.path.join(self.dir("cam_only"))
-        self.run("cam_only", [self.python, os.path.join(TOOLS, "gradcam_pseudo_labels.py"),
-                              "--config-file", self.args.mvccl_config, "--weights",
-                              mvccl_weights, "--evaluate", test_name, "--eval-out", out,
-                              *self.common, "OUTPUT_DIR", self.dir("mvccl"),
-                              *self.args.mvccl_opts])
-        return read_metrics(out)
+    def cam_settings(self):
+        """(METHOD, TARGET_LAYER) the stage-1 config uses for Algorithm 1."""
+        from braixdet.engine.setup import build_cfg
+
+        c = build_cfg(self.config(STAGE1["mvccl"]), self.args.stage1_opts).MODEL.BRAIXDET.CAM
+        return c.METHOD, c.TARGET_LAYER
+
+    def cam_only(self, mvccl_weights):
+        """CAM-only rows: the configured Algorithm 1, and the paper's GradCAM at res5 too when
+        the configuration uses another variant."""
+        rows = {}
+        variants = [self.cam_settings()]
+        if variants[0] != PAPER_CAM:
+            variants.append(PAPER_CAM)
+        for method, layer in variants:
+            name = f"cam_only_{method}_{layer}"
+            out = self.dir(name)
+            if not os.path.exists(os.path.join(out, "metrics.json")):
+                self.run(name, [
+                    self.python, os.path.join(TOOLS, "gradcam_pseudo_labels.py"),
+                    "--config-file", self.config(STAGE1["mvccl"]), "--weights", mvccl_weights,
+                    "--evaluate", self.test_name(), "--eval-out", out, *self.common,
+                    "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts,
+                    "MODEL.BRAIXDET.CAM.METHOD", method, "MODEL.BRAIXDET.CAM.TARGET_LAYER",
+                    layer])
+            paper = " (paper)" if (method, layer) == PAPER_CAM else ""
+            label = f"CAM only ({'GradCAM' if method == 'gradcam' else 'LayerCAM'} {layer}" \
+                    f"{paper})"
+            rows[label] = read_metrics(out)
+        return rows
+
+    def detector(self, key, stage1_weights, cam_json):
+        m = METHODS[key]
+        opts = ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", stage1_weights[m.init]]
+        if m.cam:
+            opts += ["SSL.CAM_JSON", cam_json]
+        self.train(key, self.config(m.config), [*opts, *self.args.det_opts], done_file=EXPORT)
+        # the trainer leaves the exported (best-validation) model's test metrics here
+        return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
 
     def test_name(self):
-        name = self.args.dataset
-        return f"{name}_test"
+        return f"{self.args.dataset}_test"
+
+    def classifier_metrics(self, name):
+        """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
+        out = {}
+        folder = os.path.join(self.dir(name), "inference", "model")
+        for split, ds in (("val", f"{self.args.dataset}_val_s{self.args.seed}"),
+                          ("test", f"{self.args.dataset}_test_cls")):
+            path = os.path.join(folder, ds, "classification_metrics.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out[split] = json.load(f)["classification"]
+        return out
 
     def run_all(self):
         a = self.args
+        needed = {METHODS[m].init for m in a.methods if m in METHODS}
+        if CAM_ONLY in a.methods or any(METHODS[m].cam for m in a.methods if m in METHODS):
+            needed.add("mvccl")
+        stage1 = {name: self.stage1(name) for name in STAGE1 if name in needed}
+        cam_json = self.gradcam(stage1["mvccl"]) if "mvccl" in stage1 and any(
+            METHODS[m].cam for m in a.methods if m in METHODS) else ""
         results = {}
-        mvccl = self.train("mvccl", a.mvccl_config, a.mvccl_opts)
-        cam_json = self.gradcam(mvccl)
-        if a.cam_only:
-            results["CAM only (GradCAM of BRAIxMVCCL)"] = self.cam_only(mvccl, self.test_name())
-        if a.baseline:
-            base = self.train("faster_rcnn", a.baseline_config, a.det_opts)
-            results["Faster R-CNN (single view, D_s only)"] = self.evaluate(
-                "faster_rcnn", a.baseline_config, base, a.det_opts)
-        det_opts = ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", mvccl, "SSL.CAM_JSON", cam_json,
-                    *a.det_opts]
-        det = self.train("braixdet", a.det_config, det_opts)
-        results["BRAIxDet (teacher)"] = self.evaluate("braixdet", a.det_config, det, a.det_opts)
-        student = os.path.join(self.dir("braixdet"), "inference", "student", self.test_name())
-        if os.path.exists(os.path.join(student, "metrics.json")):
-            results["BRAIxDet (student)"] = read_metrics(student)
-        summary = {"results": results, "timings_s": self.timings,
+        if CAM_ONLY in a.methods:
+            results.update(self.cam_only(stage1["mvccl"]))
+        for key in a.methods:
+            if key in METHODS:
+                results[METHODS[key].label] = self.detector(key, stage1, cam_json)
+        summary = {"results": results,
+                   "classifiers": {n: self.classifier_metrics(n) for n in stage1},
+                   "cam_quality": read_cam_quality(cam_json),
+                   "timings_s": self.timings,
                    "protocol": {"dataset": a.dataset, "protocol": a.protocol, "ratio": a.ratio,
                                 "seed": a.seed}}
         with open(os.path.join(self.out, "results.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(format_table(results))
+        print(format_classifiers(summary["classifiers"]))
         return summary
 
 
@@ -187,6 +250,13 @@ def read_metrics(folder):
     raise FileNotFoundError(f"no metrics.json under {folder}")
 
 
+def read_cam_quality(cam_json):
+    if not cam_json or not os.path.exists(cam_json):
+        return None
+    with open(cam_json) as f:
+        return json.load(f)["meta"].get("quality")
+
+
 def _metric(m, key):
     m = m.get("bbox", m)
     v = m.get(key)
@@ -197,6 +267,15 @@ def format_table(results):
     lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |", "|---|---|---|"]
     for name, m in results.items():
         lines.append(f"| {name} | {_metric(m, 'AP20')} | {_metric(m, 'R@0.5')} |")
+    return "\n".join(lines)
+
+
+def format_classifiers(classifiers):
+    lines = ["| Stage-1 classifier | val AUC | test AUC |", "|---|---|---|"]
+    for name, m in classifiers.items():
+        auc = [m.get(s, {}).get("AUC") for s in ("val", "test")]
+        lines.append(f"| {name} | " + " | ".join(
+            "n/a" if v is None else f"{v:.3f}" for v in auc) + " |")
     return "\n".join(lines)
 
 

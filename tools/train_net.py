@@ -20,6 +20,7 @@ import traceback
 
 from detectron2.engine import default_argument_parser, default_setup, launch
 from detectron2.utils import comm
+from detectron2.utils.logger import setup_logger
 
 from braixdet.engine import trainer_class
 from braixdet.engine.output_lock import acquire_output_lock
@@ -40,6 +41,9 @@ def setup(args):
     register_and_assign_datasets(cfg)
     cfg.freeze()
     default_setup(cfg, args)
+    # detectron2 configures its own loggers only: ours (schedule, initialisation, exported
+    # model, pseudo-labels) go to the console and OUTPUT_DIR/log.txt too
+    setup_logger(cfg.OUTPUT_DIR, distributed_rank=comm.get_rank(), name="braixdet")
     _OUTPUT_DIRS.append(os.path.abspath(cfg.OUTPUT_DIR or "."))
     return cfg
 
