@@ -325,8 +325,16 @@ class BRAIxTrainerBase(DefaultTrainer):
         for loader in self._lazy_loaders:
             loader.start_iter = self.start_iter
 
+    def eval_datasets(self):
+        """During training only the validation set (model selection must not see the test
+        set, and it saves time); every DATASETS.TEST set at the final evaluation."""
+        final = self.iter + 1 >= self.max_iter
+        if final or validation_metric(self.cfg) is None:
+            return None
+        return self.cfg.DATASETS.TEST[:1]
+
     def _test_and_save_results(self):
-        self._last_eval_results = self.test(self.cfg, self.model)
+        self._last_eval_results = self.test(self.cfg, self.model, datasets=self.eval_datasets())
         return self._last_eval_results
 
     @classmethod
@@ -343,7 +351,7 @@ class BRAIxTrainerBase(DefaultTrainer):
                 logger.info("Evaluation results of %s%s:", prefix, name)
                 print_csv_format(res)
             results[name] = res
-        if len(results) == 1:
+        if len(results) == 1 and len(cfg.DATASETS.TEST) <= 1:  # keys as flat as detectron2's
             results = next(iter(results.values()))
         if prefix:
             results = {prefix.rstrip("/"): results}
@@ -440,10 +448,13 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
         return super().train()
 
     def _test_and_save_results(self):
-        results = self.test(self.cfg, self.teacher)  # the teacher is the model we report
+        datasets = self.eval_datasets()
+        # the teacher is the model we report
+        results = self.test(self.cfg, self.teacher, datasets=datasets)
         if self.cfg.TEST.BRAIXDET.EVAL_STUDENT:
             results = dict(results)
-            results.update(self.test(self.cfg, unwrap(self.model), prefix="student/"))
+            results.update(self.test(self.cfg, unwrap(self.model), prefix="student/",
+                                     datasets=datasets))
             self.model.train()
             apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
         self._last_eval_results = results
