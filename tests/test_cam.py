@@ -309,3 +309,28 @@ def test_resume_only_with_the_same_weights_and_settings(classifier, tmp_path, ca
         assert res["meta"]["fingerprint"]["weights_sha256"] != "" and not os.path.exists(
             out + ".partial.jsonl")
     assert "starting fresh" in caplog.text
+
+
+def test_cam_layer_experiment_runs_through_main(synthetic_root, tmp_path):
+    """benchmarks/experiment_cam_layers.py (the README's GradCAM table) on a tiny classifier."""
+    import sys
+
+    from braixdet.engine.checkpoint import export_model_only
+    from braixdet.engine.setup import build_cfg
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(repo, "benchmarks"))
+    import experiment_cam_layers
+
+    config = os.path.join(repo, "configs", "demo", "MVCCL", "mvccl.yaml")
+    opts = ["DATASETS.BRAIXDET.ROOT", synthetic_root.root, "DATASETS.BRAIXDET.PROTOCOL", "full",
+            "OUTPUT_DIR", str(tmp_path / "o"), "INPUT.BRAIXDET.CACHE_DIR", str(tmp_path / "c"),
+            "INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "MODEL.BRAIXDET.PRETRAINED", ""]
+    weights = str(tmp_path / "w.pth")
+    export_model_only(build_model(build_cfg(config, opts)), weights)
+    out = tmp_path / "table.md"
+    experiment_cam_layers.main(["--config-file", config, "--weights", weights, "--datasets",
+                                "cbis_ddsm_test", "--out", str(out), *opts])
+    table = out.read_text()
+    assert "| gradcam res5 |" in table and "| layercam res4 |" in table
+    assert table.count("\n| ") == 1 + 6  # header + one row per (method, layer)
