@@ -13,7 +13,6 @@ images) and overlay PNGs named by SOPInstanceUID (sanitised: a crafted UID canno
 deleted at the end.
 """
 import argparse
-import json
 import logging
 import os
 
@@ -23,8 +22,10 @@ from tqdm import tqdm
 from braixdet.data.dicom import read_dicom_image
 from braixdet.data.report import BadInputError, BadInputReport
 from braixdet.engine import ExamPredictor
+from braixdet.engine.output_lock import acquire_output_lock
 from braixdet.engine.setup import build_cfg
 from braixdet.utils import safe_output_path
+from braixdet.utils.io import atomic_write_json
 
 logger = logging.getLogger("braixdet.predict")
 
@@ -67,6 +68,14 @@ def main(argv=None):
     cfg = build_cfg(args.config_file, ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", *args.opts])
     cfg.freeze()
     os.makedirs(args.out, exist_ok=True)
+    lock = acquire_output_lock(args.out, tool="predict")  # one run per --out folder
+    try:
+        return _predict(args, cfg)
+    finally:
+        lock.release()
+
+
+def _predict(args, cfg):
     report = BadInputReport("predict")
     allow_fp = cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING
     records = []
@@ -82,8 +91,8 @@ def main(argv=None):
                         write_overlay(pred, args.out, args.overlay_thresh, allow_fp)
                     except BadInputError as e:  # e.g. the file vanished after prediction
                         report.add(e)
-    with open(os.path.join(args.out, "predictions.json"), "w") as f:
-        json.dump({"images": records, "report": report.to_dict()["counts"]}, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "predictions.json"),
+                      {"images": records, "report": report.to_dict()["counts"]}, indent=1)
     report.save(os.path.join(args.out, "report.json"))
     print(report.summary())
     print(f"wrote {len(records)} image predictions to {args.out}/predictions.json")

@@ -32,6 +32,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from ..utils.io import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("train_full", "train_weak", "train_all", "val", "test", "test_cls")
@@ -142,11 +144,7 @@ def split_dataset(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
     if split is None:
         split = compute_split(dicts, protocol, ratio, seed, val_fraction, test_images)
         if split_file:
-            os.makedirs(os.path.dirname(os.path.abspath(split_file)), exist_ok=True)
-            tmp = f"{split_file}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"params": params, **split}, f, indent=1)
-            os.replace(tmp, split_file)
+            atomic_write_json(split_file, {"params": params, **split}, indent=1)
 
     by_id = {d["image_id"]: d for d in dicts}
     weak_ids = set(split["train_weak"])

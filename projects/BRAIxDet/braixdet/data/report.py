@@ -3,10 +3,10 @@
 Every loader appends here instead of raising, unless ``on_bad_input == "error"``.
 """
 import collections
-import json
 import logging
-import os
 import threading
+
+from ..utils.io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,4 @@ class BadInputReport:
                 "errors": list(self.errors)}
 
     def save(self, path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        atomic_write_json(path, self.to_dict(), indent=1)
