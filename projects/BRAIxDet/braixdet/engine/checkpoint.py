@@ -19,9 +19,9 @@ import pickle
 
 import torch
 from detectron2.checkpoint import DetectionCheckpointer
-from torch import nn
 
 from ..utils.io import OutputWriteError, atomic_write
+from ..utils.modules import unwrap
 
 __all__ = [
     "AtomicCheckpointer",
@@ -142,9 +142,7 @@ def export_model_only(model, path):
     """Atomically write ``{"model": state_dict}`` (unwrapped from DDP), e.g. the teacher alone.
     It loads into a plain model with ``AtomicCheckpointer(model).load(path)`` or
     ``DetectionCheckpointer(model).load(path)``."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    atomic_torch_save({"model": model.state_dict()}, path)
+    atomic_torch_save({"model": unwrap(model).state_dict()}, path)
     return path
 
 

@@ -27,6 +27,8 @@ import os
 import shutil
 import tempfile
 
+from ..utils.modules import unwrap
+
 __all__ = ["PreflightError", "check_before_training", "check_disk_space",
            "checkpoint_size_estimate", "user_error_line"]
 
@@ -171,11 +173,7 @@ def _free_bytes(path):
 
 def check_disk_space(cfg, trainer):
     """PreflightError when OUTPUT_DIR has no room for one checkpoint (see module doc)."""
-    import torch.nn as nn
-
-    model = trainer.model
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
+    model = unwrap(trainer.model)
     opt = cfg.SOLVER.get("BRAIXDET", {}).get("OPTIMIZER", "ADAM")
     size = checkpoint_size_estimate(model, getattr(trainer, "teacher", None), opt)
     need = int(size * 1.1) + (16 << 20)

@@ -10,6 +10,8 @@ from detectron2.modeling.postprocessing import detector_postprocess
 from detectron2.structures import Boxes, ImageList, Instances
 from detectron2.utils.file_io import PathManager
 
+from ..utils.modules import unwrap
+
 __all__ = [
     "MultiViewRCNN",
     "instances_to_original",
@@ -134,10 +136,6 @@ class MultiViewRCNN(GeneralizedRCNN):
 _DROP_PREFIXES = ("bottom_up.lcm.to_aux.", "gcm.", "head.")
 
 
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
 def load_classifier_weights(detector, classifier_state_dict: Dict[str, torch.Tensor]) -> Dict:
     """Initialise the detector's backbone + LCM from an MVCCLClassifier state dict.
 
@@ -146,7 +144,7 @@ def load_classifier_weights(detector, classifier_state_dict: Dict[str, torch.Ten
     mismatched): `missing` = detector `backbone.bottom_up.*` keys not initialised; `mismatched`
     = keys present in both with different shapes (not loaded).
     """
-    detector = _unwrap(detector)
+    detector = unwrap(detector)
     target = detector.state_dict()
     new, loaded, dropped, mismatched = {}, [], [], []
     for k, v in classifier_state_dict.items():

@@ -18,7 +18,8 @@ import copy
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from ..utils.modules import unwrap
 
 __all__ = ["BN_MODES", "unwrap", "build_teacher", "apply_bn_mode", "ema_update", "check_bn_mode",
            "bn_layers_in_train_mode"]
@@ -32,13 +33,6 @@ def check_bn_mode(mode):
     if mode not in BN_MODES:
         raise ValueError(f"Unknown BN mode {mode!r}; expected one of {BN_MODES} (cfg SSL.BN_MODE)")
     return mode
-
-
-def unwrap(model):
-    """The module inside (possibly nested) DistributedDataParallel / DataParallel wrappers."""
-    while isinstance(model, (DistributedDataParallel, DataParallel)):
-        model = model.module
-    return model
 
 
 def _bn_modules(model):
