@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Train or evaluate any BRAIxDet stage: the meta-architecture in the config picks the trainer.
+"""Train or evaluate any BRAIxDet stage: the config picks the trainer (engine/trainers.py).
 
-  python tools/train_net.py --config-file configs/MVCCL/mvccl_cbis_ddsm.yaml \
+  python tools/train_net.py --config-file configs/MVCCL/mvccl.yaml \
       DATASETS.BRAIXDET.ROOT /data/CBIS-DDSM OUTPUT_DIR out/mvccl
-  python tools/train_net.py --config-file configs/BRAIxDet/braixdet_cbis_ddsm.yaml \
-      --num-gpus 8 DATASETS.BRAIXDET.RATIO 1/8 MODEL.BRAIXDET.INIT_FROM_CLASSIFIER ...
-  ... --eval-only MODEL.WEIGHTS out/braixdet/model_final.pth   (evaluates the teacher)
+  python tools/train_net.py --config-file configs/BRAIxDet/braixdet.yaml --num-gpus 8 \
+      DATASETS.BRAIXDET.ROOT /data/CBIS-DDSM DATASETS.BRAIXDET.RATIO 1/8 \
+      MODEL.BRAIXDET.INIT_FROM_CLASSIFIER out/mvccl/model_final.pth SSL.CAM_JSON ...
+  ... --eval-only MODEL.WEIGHTS out/braixdet/model_export.pth  (evaluates the teacher)
   ... --resume                                                  (continues where it stopped)
 
 Before anything is written, the main process locks OUTPUT_DIR (a second run on the same folder
