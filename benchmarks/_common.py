@@ -10,8 +10,8 @@ reads the peak memory of one call (CUDA: ``max_memory_allocated`` after
 Benchmarks are run as scripts (``python benchmarks/benchmark_x.py``), so this module is imported
 as ``_common`` (the script's folder is on ``sys.path``).
 """
+import argparse
 import contextlib
-import inspect
 import os
 import platform
 import resource
@@ -139,6 +139,16 @@ def add_grad_checkpointing_arg(ap):
                          "on the encoder)")
 
 
+def parse_args(ap):
+    """The flags every benchmark shares (--opts, --out), parsed; threads and device set."""
+    ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
+    ap.add_argument("--out", default=None, help="also write the markdown report here")
+    args = ap.parse_args()
+    set_threads()
+    set_device(args.device)
+    return args
+
+
 def set_device(device):
     """Validate and remember the benchmark's device (``timeit`` / ``sync`` use it)."""
     global _DEVICE
@@ -220,42 +230,9 @@ def amp_opts(amp):
     return ["SOLVER.AMP.ENABLED", str(bool(amp))]
 
 
-GRAD_CKPT_KEY = "MODEL.BRAIXDET.GRAD_CHECKPOINTING"
-
-
 def grad_checkpointing_opts(enabled):
-    """Opts of --grad-checkpointing; exits with a clear message when the config key does not
-    exist yet (it enables timm's ``set_grad_checkpointing`` on the encoder)."""
-    if not enabled:
-        return []
-    from braixdet.engine.setup import build_cfg as _build
-
-    if "GRAD_CHECKPOINTING" not in _build("", []).MODEL.BRAIXDET:
-        sys.exit(f"--grad-checkpointing: the config key {GRAD_CKPT_KEY} does not exist in "
-                 "braixdet/config.py yet (encoder gradient checkpointing is not implemented in "
-                 "this checkout); run without --grad-checkpointing")
-    return [GRAD_CKPT_KEY, "True"]
-
-
-def make_step_trainer(cls, *args, cfg=None, **kwargs):
-    """A braixdet step trainer built as the production trainers build it from ``cfg``: its
-    constructor's ``precision`` (``Precision.from_cfg(cfg)`` of the trainer's module: AMP from
-    SOLVER.AMP.ENABLED), ``check_finite``, ``amp`` or ``cfg`` parameters are filled when it has
-    them (and not given), so SOLVER.AMP.ENABLED reaches a trainer that honours it."""
-    params = inspect.signature(cls.__init__).parameters
-    if cfg is not None:
-        module = sys.modules.get(cls.__module__)
-        precision = getattr(module, "Precision", None)
-        if "precision" in params and "precision" not in kwargs and precision is not None:
-            kwargs["precision"] = precision.from_cfg(cfg)
-        if "amp" in params and "amp" not in kwargs:
-            kwargs["amp"] = bool(cfg.SOLVER.AMP.ENABLED)
-        if ("check_finite" in params and "check_finite" not in kwargs
-                and "CHECK_FINITE" in cfg.SOLVER.BRAIXDET):
-            kwargs["check_finite"] = bool(cfg.SOLVER.BRAIXDET.CHECK_FINITE)
-        if "cfg" in params and "cfg" not in kwargs and not any(a is cfg for a in args):
-            kwargs["cfg"] = cfg
-    return cls(*args, **kwargs)
+    """Opts of --grad-checkpointing (timm's set_grad_checkpointing on the encoder)."""
+    return ["MODEL.BRAIXDET.GRAD_CHECKPOINTING", "True"] if enabled else []
 
 
 def amp_status(requested, dtype_seen, device=None):
@@ -265,8 +242,7 @@ def amp_status(requested, dtype_seen, device=None):
         return f"fp32 (conv outputs {seen})"
     if dtype_seen is not None and dtype_seen != torch.float32:
         return f"AMP active (conv outputs {seen})"
-    return ("AMP requested (SOLVER.AMP.ENABLED True) but NOT active: the step trainer ran in "
-            f"fp32 (conv outputs {seen}); it does not honour SOLVER.AMP.ENABLED in this checkout")
+    return f"AMP requested but NOT active: the step ran in fp32 (conv outputs {seen})"
 
 
 def autocast_seen(module, fn):

@@ -112,14 +112,10 @@ def main():
     C.add_device_args(ap, amp=False)
     ap.add_argument("--amp", action="store_true", help=f"mixed precision: {C.AMP_TRAINING}")
     C.add_grad_checkpointing_arg(ap)
-    ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
-    ap.add_argument("--out", default=None, help="also write the markdown report here")
-    args = ap.parse_args()
-    C.set_threads()
-    C.set_device(args.device)
+    args = C.parse_args(ap)
 
     from braixdet.data.build import build_multiview_train_loader
-    from braixdet.engine.trainers import BRAIxDetTrainer, BRAIxStepTrainer
+    from braixdet.engine.trainers import BRAIxDetTrainer, BRAIxStepTrainer, Precision
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_data_") as tmp:
         cfg, t_gen = setup(tmp, args)
@@ -136,8 +132,8 @@ def main():
             loader = build_multiview_train_loader(cfg, cfg.DATASETS.TRAIN, batch, seed=0,
                                                   num_workers=w)
             it = TimedIter(loader)
-            trainer = C.make_step_trainer(BRAIxStepTrainer, model, it, optimizer, seed=0,
-                                          cfg=cfg)
+            trainer = BRAIxStepTrainer(model, it, optimizer, seed=0,
+                                       precision=Precision.from_cfg(cfg))
             variants[w] = {"it": it, "trainer": trainer, "data": [], "iter": []}
 
         with EventStorage(0) as storage:

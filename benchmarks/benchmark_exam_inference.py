@@ -60,11 +60,7 @@ def main():
     ap.add_argument("--target", type=float, default=1.15)
     C.add_device_args(ap)
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each (top 20)")
-    ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
-    ap.add_argument("--out", default=None, help="also write the markdown report here")
-    args = ap.parse_args()
-    C.set_threads()
-    C.set_device(args.device)
+    args = C.parse_args(ap)
     size = tuple(args.size)
     precs = C.precisions(args)
 

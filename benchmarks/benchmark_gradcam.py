@@ -87,13 +87,9 @@ def main():
     C.add_device_args(ap)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads (0 = $BENCH_THREADS, default 2)")
-    ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
-    ap.add_argument("--out", default=None, help="also write the markdown report here")
-    args = ap.parse_args()
-    C.set_threads()
+    args = C.parse_args(ap)
     if args.threads:
         torch.set_num_threads(args.threads)
-    C.set_device(args.device)
     sizes = [tuple(s) for s in args.size or []]
     sizes += [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes or []]
     sizes = sizes or ([(256, 128)] if args.quick else [(256, 128), (1536, 768)])

@@ -152,9 +152,12 @@ def run_precision(args, amp, tmp):
     sup_loader, full_loader, weak_loader, weak_ids = loaders(size, args.batch)
     cam_lookup = synthetic_cam_lookup(weak_ids, size) if args.cam else {}
     fusion_iters = 10**9 if args.cam else 0
-    sup = C.make_step_trainer(Sup, model, sup_loader, optimizer, seed=cfg.SEED, cfg=cfg)
-    ssl = C.make_step_trainer(SSL, model, teacher, full_loader, weak_loader, optimizer, cfg,
-                              cam_lookup, fusion_iters, cfg=cfg)
+    from braixdet.engine.trainers import Precision
+
+    precision = Precision.from_cfg(cfg)
+    sup = Sup(model, sup_loader, optimizer, seed=cfg.SEED, precision=precision)
+    ssl = SSL(model, teacher, full_loader, weak_loader, optimizer, cfg, cam_lookup, fusion_iters,
+              precision)
     res = {"cfg": cfg, "size": size, "amp": amp}
 
     with EventStorage(0) as storage:
@@ -236,11 +239,7 @@ def main():
     ap.add_argument("--cam", action="store_true",
                     help="GradCAM fusion phase on (synthetic CAM boxes for every weak image)")
     ap.add_argument("--cprofile", action="store_true", help="cProfile one SSL step (top 25)")
-    ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
-    ap.add_argument("--out", default=None, help="also write the markdown report here")
-    args = ap.parse_args()
-    C.set_threads()
-    C.set_device(args.device)
+    args = C.parse_args(ap)
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_ssl_") as tmp:
         results = [run_precision(args, amp, tmp) for amp in C.precisions(args)]

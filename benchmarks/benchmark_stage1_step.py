@@ -32,7 +32,7 @@ from detectron2.utils.events import EventStorage
 
 
 def run_precision(args, amp, tmp):
-    from braixdet.engine.trainers import BRAIxStepTrainer, MVCCLTrainer
+    from braixdet.engine.trainers import BRAIxStepTrainer, MVCCLTrainer, Precision
 
     opts = (C.size_opts(args.size) + ["SOLVER.IMS_PER_BATCH", str(args.batch)]
             + C.device_opts() + C.amp_opts(amp)
@@ -47,8 +47,8 @@ def run_precision(args, amp, tmp):
         batches.append([C.fake_input(args.size, False, (i + b) % 2, 1000 * b + i, "cls")
                         for i in range(args.batch)])
     loader = C.CyclingLoader(C.to_device(batches))
-    trainer = C.make_step_trainer(BRAIxStepTrainer, model, loader, optimizer, seed=cfg.SEED,
-                                  cfg=cfg)
+    trainer = BRAIxStepTrainer(model, loader, optimizer, seed=cfg.SEED,
+                               precision=Precision.from_cfg(cfg))
     res = {"amp": amp, "cfg": cfg}
     with EventStorage(0) as storage:
         def step(trainer=trainer):
@@ -78,11 +78,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the defaults (sized for 2 CPU cores)")
     C.add_device_args(ap, what=C.AMP_TRAINING)
     C.add_grad_checkpointing_arg(ap)
-    ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
-    ap.add_argument("--out", default=None, help="also write the markdown report here")
-    args = ap.parse_args()
-    C.set_threads()
-    C.set_device(args.device)
+    args = C.parse_args(ap)
     args.size = tuple(args.size)
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_stage1_") as tmp:
