@@ -16,14 +16,6 @@ from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, synthetic_root):
     d = tmp_path_factory.mktemp("schedule_amp")

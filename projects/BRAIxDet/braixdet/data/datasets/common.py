@@ -161,6 +161,24 @@ def read_meta(path, report, allow_for_processing=False):
         return None
 
 
+def load_csv_rows(csv_path, report, required, load_row):
+    """Dataset dicts of a CSV: ``load_row(line, row)`` per row (None = skipped, already in the
+    report). Any exception of one hostile row is that row's ``bad_row``; the loader goes on."""
+    dicts = []
+    for line, row in read_csv_rows(csv_path, report, required):
+        try:
+            d = load_row(line, row)
+        except BadInputError:
+            raise  # report.add with on_bad_input="error"
+        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
+            report.add(BadInputError(csv_path, "bad_row", f"line {line}: unreadable row "
+                                     f"({type(e).__name__})"))
+            continue
+        if d is not None:
+            dicts.append(d)
+    return dicts
+
+
 def read_csv_rows(csv_path, report, required):
     """Yield (line_number, row dict with normalised keys) of a CSV.
 

@@ -14,10 +14,10 @@ from .common import (
     CellError,
     checked_annotations,
     finish,
+    load_csv_rows,
     normalize_laterality,
     normalize_view,
     parse_boxes_json,
-    read_csv_rows,
     read_meta,
     resolve_in_root,
 )
@@ -61,18 +61,9 @@ def load_exam_csv(csv_path, root, report, allow_for_processing=False):
     if not os.path.isfile(csv_path):
         raise FileNotFoundError(f"exam CSV {csv_path} not found")
     base = os.path.dirname(csv_path)
-    dicts, seen = [], set()
-    for line, row in read_csv_rows(csv_path, report, REQUIRED):
-        try:
-            d = _load_row(line, row, root, base, csv_path, seen, report, allow_for_processing)
-        except BadInputError:
-            raise  # report.add with on_bad_input="error"
-        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
-            report.add(BadInputError(csv_path, "bad_row", f"line {line}: unreadable row "
-                                     f"({type(e).__name__})"))
-            continue
-        if d is not None:
-            dicts.append(d)
+    seen = set()
+    dicts = load_csv_rows(csv_path, report, REQUIRED, lambda line, row: _load_row(
+        line, row, root, base, csv_path, seen, report, allow_for_processing))
     return finish(dicts, report, "exam CSV")
 
 

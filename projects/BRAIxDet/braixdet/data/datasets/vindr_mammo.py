@@ -15,6 +15,7 @@ from .common import (
     CellError,
     checked_annotations,
     finish,
+    load_csv_rows,
     normalize_laterality,
     normalize_view,
     parse_number,
@@ -64,18 +65,9 @@ def load_vindr_mammo(root, report, malignant_birads=(4, 5), allow_for_processing
         if malignant:
             boxes[row["image_id"]].append(box)
 
-    dicts, seen = [], set()
-    for line, row in read_csv_rows(breast_csv, report, _BREAST_REQUIRED):
-        try:
-            d = _load_row(line, row, root, breast_csv, boxes, seen, report, allow_for_processing)
-        except BadInputError:
-            raise  # report.add with on_bad_input="error"
-        except Exception as e:  # noqa: BLE001 - one hostile row never stops the loader
-            report.add(BadInputError(breast_csv, "bad_row", f"line {line}: unreadable row "
-                                     f"({type(e).__name__})"))
-            continue
-        if d is not None:
-            dicts.append(d)
+    seen = set()
+    dicts = load_csv_rows(breast_csv, report, _BREAST_REQUIRED, lambda line, row: _load_row(
+        line, row, root, breast_csv, boxes, seen, report, allow_for_processing))
     return finish(dicts, report, "VinDr-Mammo")
 
 
