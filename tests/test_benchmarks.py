@@ -1,0 +1,39 @@
+"""Every benchmark the README shows runs through its main() (tiny sizes: smoke, not timing).
+The measured ratios come from `make bench` on the benchmark machine, never from here."""
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--size", "128", "64"]
+CASES = {
+    "benchmark_preprocess": ["--quick", "--num", "1", "--orig", "300", "200", "--size", "64", "32",
+                             "--warm-repeats", "1"],
+    "benchmark_dataloader": [*TINY, "--patients", "3", "--orig", "128", "96", "--batch", "2",
+                             "--rounds", "1", "--block", "1", "--settle", "0", "--warmup", "0"],
+    "benchmark_gradcam": [*TINY, "--batch", "1", "--repeats", "1", "--warmup", "0"],
+    "benchmark_ssl_iteration": [*TINY, "--batch", "1", "--repeats", "1", "--warmup", "0",
+                                "--amp", "--profile", "--profile-steps", "1", "--cam"],
+    "benchmark_stage1_step": [*TINY, "--batch", "2", "--repeats", "1", "--warmup", "0",
+                              "--grad-checkpointing"],
+    "benchmark_exam_inference": [*TINY, "--repeats", "1", "--warmup", "0", "--compare-amp"],
+    "benchmark_evaluator": ["--images", "40", "--dets", "10", "--repeat", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    monkeypatch.setenv("BENCH_THREADS", "1")
+    out = tmp_path / "report.md"
+    args = [*CASES[name]] + ([] if name == "benchmark_evaluator" else ["--device", "cpu"])
+    if name not in ("benchmark_preprocess", "benchmark_evaluator"):
+        args += ["--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [name + ".py", *args])
+    module = __import__(name)
+    module.main()
+    text = capsys.readouterr().out
+    assert "|" in text  # printed a table
+    if name not in ("benchmark_preprocess", "benchmark_evaluator"):
+        assert out.read_text().strip()
