@@ -404,7 +404,10 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
         test_sets = list(self.cfg.DATASETS.TEST)[1:] if validation_metric(self.cfg) else []
         if not test_sets or hook.exported_iter in (None, hook.last_eval_iter):
             return
-        model = build_model(self.cfg)
+        cfg = self.cfg.clone()
+        cfg.defrost()
+        cfg.MODEL.WEIGHTS = hook.path  # the export provides the encoder: no ImageNet download
+        model = build_model(cfg)
         model.load_state_dict(safe_torch_load(hook.path)["model"])
         logger.info("Test metrics of the exported model (iteration %d):", hook.exported_iter)
         self.test(self.cfg, model.eval(), datasets=test_sets)
