@@ -14,6 +14,7 @@ from detectron2.data.transforms import (
     TransformList,
 )
 from detectron2.modeling import build_model
+import torch.nn.functional as F
 from torch import nn
 
 import braixdet.modeling  # noqa: F401
@@ -147,9 +148,8 @@ def test_gradcam_matches_pytorch_grad_cam(classifier):
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
     model, inputs = classifier
-    bu = model.bottom_up
-    # Algorithm 1's target: the main view's fused last-stage features (encoder res5 if 1 view)
-    layer = bu.lcm.to_main if bu.lcm is not None else bu.encoder.body.blocks[-1]
+    # Algorithm 1's target: the encoder's last stage (res5, u_m), main views first
+    layer = _encoder_stage(model, "res5")
     with torch.no_grad():  # must re-enable gradients itself
         heat, probs = gradcam_heatmaps(model, inputs)
     assert not model.training
@@ -162,6 +162,8 @@ def test_gradcam_matches_pytorch_grad_cam(classifier):
     x = model.preprocess_image(inputs).tensor
     with GradCAM(model=_StackedInput(model), target_layers=[layer]) as cam:
         ref = cam(input_tensor=x, targets=[ClassifierOutputTarget(0)] * len(inputs))
+    # multi-view: the hooked stage sees [main, aux] stacked, pytorch-grad-cam returns both
+    ref = ref[: len(inputs)]
     assert ref.shape == heat.shape
     assert np.abs(heat - ref).max() < 1e-5
 
@@ -199,6 +201,35 @@ def test_layercam_at_res4_matches_pytorch_grad_cam():
     # the hooked module sees [main, aux] stacked: pytorch-grad-cam returns both, mains first
     assert ref.shape == (2 * len(inputs), H, W)
     assert np.abs(heat - ref[: len(inputs)]).max() < 1e-4
+
+
+def test_res5_map_sees_the_max_pooled_evidence():
+    """Only the GCM's max-pool of u_m reads the lesion (the average-pooled branch and the aux
+    view silenced): the res5 map must still peak where that maximum is. On the LCM output
+    ũ_m (the former target) the gradient is the same at every position and the map could not."""
+    torch.manual_seed(0)
+    model = build_model(tiny_classifier_cfg(multi_view=True)).eval()
+    c = model.bottom_up.output_shape()["res5"].channels
+    with torch.no_grad():
+        first = model.head[0]
+        first.weight[:, c:] = 0  # GAP(ũ_m), GAP(ũ_a): silenced
+        model.gcm.proj.weight.zero_()  # P(g_a): silenced
+        model.gcm.proj.bias.zero_()
+    g = torch.Generator().manual_seed(1)
+    inputs = [{"image": _blob(g), "aux_image": _blob(g), "label": 1}]
+    acts, logits = model.forward_features(inputs)
+    (grads,) = torch.autograd.grad(logits.sum(), acts)
+    # per channel, the gradient lives only where that channel attains its maximum
+    a, gr = acts[0].detach().flatten(1), grads[0].flatten(1)
+    at_max = torch.zeros_like(gr, dtype=torch.bool)
+    at_max[torch.arange(len(a)), a.argmax(1)] = True
+    assert gr[~at_max].abs().max() == 0 and gr[at_max].abs().sum() > 0
+    heat, _ = gradcam_heatmaps(model, inputs, method="layercam", target_layer="res5")
+    cam = (F.relu(grads[:1]) * acts[:1].detach()).sum(1)[0]
+    yy, xx = np.unravel_index(int(cam.argmax()), cam.shape)
+    stride = H // cam.shape[0]
+    peak = np.unravel_index(heat[0].argmax(), heat[0].shape)
+    assert yy * stride <= peak[0] < (yy + 1) * stride and xx * stride <= peak[1] < (xx + 1) * stride
 
 
 def _blob_image(rng, center=None):

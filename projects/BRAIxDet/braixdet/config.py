@@ -53,7 +53,7 @@ def _add_model_config(cfg):
     # Algorithm 1 (GradCAM pseudo-boxes): threshold τ and component-area limits, given in
     # pixels at REF_SIZE and scaled with the canonical input size
     b.CAM = CN()
-    # Paper: GradCAM at the last stage (res5 = the fused main-view features ũ_m). "layercam" at
+    # Paper: GradCAM at the last stage (res5 = the main view's encoder features u_m). "layercam" at
     # "res4" (stride 16) localises far better when lesions span less than ~2 stride-32 cells
     # (small inputs); see README "GradCAM pseudo-boxes".
     b.CAM.METHOD = "gradcam"  # gradcam | layercam

@@ -74,9 +74,10 @@ class MVCCLClassifier(nn.Module):
         """x: normalised (B, 2|1, H, W) -> (logits (B,), extras).
 
         extras: "loss_sim" (GCM consistency, unweighted; only with GCM) and, with ``cam_layer``,
-        "cam_features": the activations GradCAM differentiates, main views in the first B rows
-        ("res5": the fused ũ_m, or u_m single-view, the paper's last stage; "res4"/"res3": that
-        encoder stage, both views stacked main first).
+        "cam_features": the activations GradCAM differentiates: that encoder stage ("res5" is
+        the last, u_m), both views stacked main first. Not the LCM output ũ_m: only the
+        average-pooled branch reads it, so its gradient is the same at every position and
+        misses the evidence the GCM max-pools from u_m (docs/DESIGN.md §3.5).
         """
         b = x.shape[0]
         bu = self.bottom_up
@@ -105,10 +106,10 @@ class MVCCLClassifier(nn.Module):
             t_m = feats[FUSE_FEATURE]
             z = torch.cat([torch.amax(t_m, dim=(2, 3)), t_m.mean(dim=(2, 3))], dim=1)
         if cam_layer:
-            if cam_layer != FUSE_FEATURE and cam_layer not in feats:
+            if cam_layer not in feats:
                 raise ValueError(f"CAM target layer {cam_layer!r} is not an encoder output "
                                  f"({sorted(feats)}); see MODEL.BRAIXDET.CAM.TARGET_LAYER")
-            extras["cam_features"] = t_m if cam_layer == FUSE_FEATURE else feats[cam_layer]
+            extras["cam_features"] = feats[cam_layer]
         return self.head(z).squeeze(1), extras
 
     def forward_features(self, batched_inputs: List[Dict], layer: str = FUSE_FEATURE):
