@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from _cfg_helpers import tiny_classifier_cfg
 from detectron2.data.transforms import (
     CropTransform,
@@ -14,7 +15,6 @@ from detectron2.data.transforms import (
     TransformList,
 )
 from detectron2.modeling import build_model
-import torch.nn.functional as F
 from torch import nn
 
 import braixdet.modeling  # noqa: F401
