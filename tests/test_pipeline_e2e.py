@@ -252,3 +252,32 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
         top = max(rec["detections"], key=lambda r: r["score"])["box_xyxy"]
         hits += any(_iou(top, g) >= 0.2 for g in gts)
     assert hits >= 0.6 * len(sop_to_boxes), (hits, len(sop_to_boxes))
+
+
+@pytest.mark.parametrize("configs,first", [("configs", "GradCAM res5 (paper)"),
+                                           ("configs/demo", "LayerCAM res4")])
+def test_cam_only_rows_show_the_paper_and_the_localising_heatmap(tmp_path, monkeypatch,
+                                                                 configs, first):
+    """Whatever Algorithm 1 variant the stage-1 config uses, the CAM-only rows score it first,
+    then the paper's GradCAM res5 and LayerCAM res4, each once (issue: show both)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import run_pipeline
+
+    pipe = run_pipeline.Pipeline(run_pipeline.parse_args(
+        ["--root", str(tmp_path), "--out", str(tmp_path / "out"), "--methods", "cam_only",
+         "--configs", os.path.join(REPO, configs)]))
+    scored = []
+
+    def fake_stage(name, cmd):  # the gradcam tool's --evaluate run, without a classifier
+        scored.append((cmd[cmd.index("MODEL.BRAIXDET.CAM.METHOD") + 1],
+                       cmd[cmd.index("MODEL.BRAIXDET.CAM.TARGET_LAYER") + 1]))
+        out = cmd[cmd.index("--eval-out") + 1]
+        os.makedirs(out)
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump({"bbox": {"AP20": float(len(scored))}}, f)
+
+    monkeypatch.setattr(pipe, "run", fake_stage)
+    rows = pipe.cam_only("unused.pth")
+    assert sorted(scored) == [("gradcam", "res5"), ("layercam", "res4")]
+    assert list(rows)[0] == f"CAM only ({first})"
+    assert set(rows) == {"CAM only (GradCAM res5 (paper))", "CAM only (LayerCAM res4)"}

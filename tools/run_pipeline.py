@@ -58,6 +58,7 @@ METHODS = {
 }
 CAM_ONLY = "cam_only"
 PAPER_CAM = ("gradcam", "res5")
+LOCALISING_CAM = ("layercam", "res4")  # README "GradCAM pseudo-boxes": finds lesions at any size
 
 
 def parse_args(argv=None):
@@ -167,13 +168,10 @@ class Pipeline:
         return c.METHOD, c.TARGET_LAYER
 
     def cam_only(self, mvccl_weights):
-        """CAM-only rows: the configured Algorithm 1, and the paper's GradCAM at res5 too when
-        the configuration uses another variant."""
+        """CAM-only rows: the configured Algorithm 1 first, then the paper's GradCAM at res5
+        and LayerCAM at res4 where the configuration is neither, so both are always shown."""
         rows = {}
-        variants = [self.cam_settings()]
-        if variants[0] != PAPER_CAM:
-            variants.append(PAPER_CAM)
-        for method, layer in variants:
+        for method, layer in dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]):
             name = f"cam_only_{method}_{layer}"
             out = self.dir(name)
             if not os.path.exists(os.path.join(out, "metrics.json")):
