@@ -184,3 +184,14 @@ def tree_digest(root):
             with open(p, "rb") as f:
                 entries.append(("f", os.path.join(rel, name), hashlib.sha256(f.read()).hexdigest()))
     return entries
+
+
+class PickledCode:
+    """An object whose unpickling runs code (creates ``marker``): what a crafted checkpoint
+    holds; our loaders must refuse it without running it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))

@@ -539,28 +539,21 @@ def test_preflight_disk_space(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------ checkpoints
-class _Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):  # unpickling would create the marker file
-        return (open, (self.marker, "w"))
-
-
 def _crafted(d):
     import pickle
 
     import torch
+    from _train_helpers import PickledCode
 
     marker = d / "pwned"
     zipped = d / "model_final.pth"
-    torch.save({"model": {"w": torch.zeros(1)}, "payload": _Evil(str(marker))}, zipped)
+    torch.save({"model": {"w": torch.zeros(1)}, "payload": PickledCode(str(marker))}, zipped)
     legacy = d / "legacy.pth"
     with open(legacy, "wb") as f:
-        pickle.dump(_Evil(str(marker)), f, protocol=2)
+        pickle.dump(PickledCode(str(marker)), f, protocol=2)
     pkl = d / "zoo.pkl"
     with open(pkl, "wb") as f:
-        pickle.dump({"model": _Evil(str(marker))}, f, protocol=2)
+        pickle.dump({"model": PickledCode(str(marker))}, f, protocol=2)
     return marker, zipped, legacy, pkl
 
 

@@ -15,6 +15,7 @@ import torch
 from _train_helpers import (
     CONFIGS,
     REPO,
+    PickledCode,
     assert_state_equal,
     build_trainer,
     load_ckpt,
@@ -261,23 +262,15 @@ def test_two_process_cpu_training_identical_teachers(work):
 
 
 # ------------------------------------------------------------------------------ crafted pickle
-class _Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):  # unpickling would create the marker file
-        return (open, (self.marker, "w"))
-
-
 def test_crafted_checkpoint_is_refused(work):
     d = work.dir / "evil"
     d.mkdir()
     marker = d / "pwned"
     weights = d / "model_final.pth"
-    torch.save({"model": {"w": torch.zeros(1)}, "payload": _Evil(str(marker))}, weights)
+    torch.save({"model": {"w": torch.zeros(1)}, "payload": PickledCode(str(marker))}, weights)
     legacy = d / "legacy.pth"  # a plain (non-zip) pickle
     with open(legacy, "wb") as f:
-        pickle.dump(_Evil(str(marker)), f, protocol=2)
+        pickle.dump(PickledCode(str(marker)), f, protocol=2)
 
     opts = _opts(work, d / "out", "mvccl", extra=["MODEL.WEIGHTS", str(weights)])
     p = subprocess.run(train_net_cmd("mvccl", opts, "--eval-only"), cwd=REPO,
