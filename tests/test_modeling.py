@@ -179,11 +179,17 @@ def _swap_aux(inputs):
     return [dict(d, aux_image=blob_image(g)) for d in inputs]
 
 
+def _fused_main_and_logits(model, inputs):
+    """ũ_m (the LCM's main-view output) and the logits."""
+    x = model.preprocess_image(inputs).tensor
+    return model.bottom_up(x)["res5"], model.forward_tensor(x)[0]
+
+
 def test_mvccl_uses_second_view(trained_classifier):
     model, inputs, _ = trained_classifier
     with torch.no_grad():
-        f1, z1 = model.forward_features(inputs)
-        f2, z2 = model.forward_features(_swap_aux(inputs))
+        f1, z1 = _fused_main_and_logits(model, inputs)
+        f2, z2 = _fused_main_and_logits(model, _swap_aux(inputs))
     scale = f1.abs().max()
     # deterministic eval-mode difference, far above float noise (~1e-7 relative)
     assert (f1 - f2).abs().max() > 1e-5 * scale
@@ -194,8 +200,8 @@ def test_mvccl_uses_second_view(trained_classifier):
     c = fuse.out_channels
     with torch.no_grad():
         fuse.weight[:, c:] = 0
-        g1, _ = model.forward_features(inputs)
-        g2, _ = model.forward_features(_swap_aux(inputs))
+        g1, _ = _fused_main_and_logits(model, inputs)
+        g2, _ = _fused_main_and_logits(model, _swap_aux(inputs))
         fuse.weight.copy_(saved)
     assert (g1 - g2).abs().max() < 1e-6 * scale
 
