@@ -58,7 +58,8 @@ METHODS = {
 }
 CAM_ONLY = "cam_only"
 PAPER_CAM = ("gradcam", "res5")
-LOCALISING_CAM = ("layercam", "res4")  # README "GradCAM pseudo-boxes": finds lesions at any size
+# README "GradCAM pseudo-boxes": localised the lesions where GradCAM res5 did not
+LOCALISING_CAM = ("layercam", "res4")
 
 
 def parse_args(argv=None):
