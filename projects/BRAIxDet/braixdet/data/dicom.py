@@ -6,7 +6,8 @@ robust 0.5/99.5 % percentile window is used **(choice)**. Every problem with a f
 ``BadInputError(path, reason, detail)`` whose message is one line; nothing else escapes.
 
 Patient identifiers never leave this module in the clear: ``DicomMeta.patient_id`` is
-``pseudonymise(PatientID)`` and no raw PatientID/PatientName/PatientBirthDate is logged.
+``pseudonymise(patient stem)`` (the PatientID, or ``P_00173`` of CBIS-DDSM's per-view
+``Mass-Test_P_00173_LEFT_CC``) and no raw PatientID/PatientName/PatientBirthDate is logged.
 """
 import hashlib
 import logging
@@ -32,6 +33,7 @@ from pydicom.uid import (
 )
 
 from .report import BadInputError
+from .views import patient_stem, resolve_view
 
 logger = logging.getLogger(__name__)
 
@@ -54,20 +56,6 @@ MAX_PIXELS = 100_000_000
 MAX_COMPRESSION_RATIO = 500
 _LUT_MAX_ENTRIES = 1 << 20  # stored-value range up to which the intensity pipeline is a LUT
 
-# ViewPosition strings and ViewCodeSequence codes (DICOM CID 4014; SNOMED-CT and legacy SRT)
-_VIEW_POSITIONS = {
-    "CC": "CC", "XCCL": "CC", "XCCM": "CC", "FB": None,
-    "MLO": "MLO", "ML": "MLO", "LM": "MLO", "LMO": "MLO",
-}
-_VIEW_CODES = {
-    "399162004": "CC", "R-10242": "CC",  # cranio-caudal
-    "399192008": "CC", "R-1024A": "CC",  # XCCL
-    "399101009": "CC", "R-1024B": "CC",  # XCCM
-    "399368009": "MLO", "R-10226": "MLO",  # medio-lateral oblique
-    "399260004": "MLO", "R-10224": "MLO",  # medio-lateral
-    "399352003": "MLO", "R-10228": "MLO",  # latero-medial
-    "399099002": "MLO", "R-10230": "MLO",  # latero-medial oblique
-}
 
 
 @dataclass
@@ -85,6 +73,13 @@ class DicomMeta:
     photometric: str
     presentation_intent: str  # "FOR PRESENTATION" | "FOR PROCESSING" | ""
     transfer_syntax: str = ""
+    # Exam grouping (engine/predictor.py group_exams): pseudonymised AccessionNumber, else
+    # StudyDate ("" when neither); ``patient_id`` is the pseudonymised patient STEM.
+    exam_hint: str = ""
+    # Why view/laterality is None: "unknown_view" or "refused_view", with the resolver's
+    # identifier-free note (the tags tried, or the refusal reason).
+    view_problem: str = ""
+    view_note: str = ""
 
 
 def pseudonymise(raw_id) -> str:
@@ -127,25 +122,15 @@ def _str(ds, keyword):
     return str(v).strip()
 
 
-def _norm_laterality(v):
-    v = (v or "").strip().upper()
-    return v if v in ("L", "R") else None
-
-
 def _view_from_ds(ds):
-    pos = _str(ds, "ViewPosition").upper()
-    if pos:
-        return _VIEW_POSITIONS.get(pos)
-    for item in ds.get("ViewCodeSequence", None) or []:
-        code = str(item.get("CodeValue", "")).strip()
-        if code in _VIEW_CODES:
-            return _VIEW_CODES[code]
-        meaning = str(item.get("CodeMeaning", "")).lower().replace(" ", "-")
-        if "cranio-caudal" in meaning:
-            return "CC"
-        if "medio-lateral" in meaning or "latero-medial" in meaning:
-            return "MLO"
-    return None
+    """views.resolve_view: the one resolver of loaders and predictor (order in its doc)."""
+    return resolve_view(ds)
+
+
+def _exam_hint(ds):
+    """Pseudonym of AccessionNumber, else of StudyDate, else "" (see group_exams)."""
+    acc, date = _str(ds, "AccessionNumber"), _str(ds, "StudyDate")
+    return pseudonymise("acc:" + acc) if acc else pseudonymise("date:" + date) if date else ""
 
 
 def _fail(path, reason, detail=""):
@@ -201,13 +186,15 @@ def _meta_from_ds(path, ds, allow_for_processing):
     rows, cols = _int(ds, "Rows", 0), _int(ds, "Columns", 0)
     if not (0 < rows <= MAX_SIDE and 0 < cols <= MAX_SIDE) or rows * cols > MAX_PIXELS:
         _fail(path, "bad_dimensions", f"Rows x Columns = {rows} x {cols}")
-    lat = _norm_laterality(_str(ds, "ImageLaterality")) or _norm_laterality(_str(ds, "Laterality"))
-    raw_pid = _str(ds, "PatientID")
+    res = _view_from_ds(ds)
+    problem = ("refused_view" if res.refused else
+               "unknown_view" if res.view is None or res.laterality is None else "")
+    raw_pid = patient_stem(_str(ds, "PatientID"))
     tsyntax = ds.file_meta.get("TransferSyntaxUID", "") if hasattr(ds, "file_meta") else ""
     return DicomMeta(
         path=str(path),
-        laterality=lat,
-        view=_view_from_ds(ds),
+        laterality=res.laterality,
+        view=res.view,
         study_uid=_str(ds, "StudyInstanceUID"),
         series_uid=_str(ds, "SeriesInstanceUID"),
         sop_uid=_str(ds, "SOPInstanceUID"),
@@ -218,6 +205,9 @@ def _meta_from_ds(path, ds, allow_for_processing):
         photometric=_str(ds, "PhotometricInterpretation").upper(),
         presentation_intent=intent,
         transfer_syntax=str(tsyntax),
+        exam_hint=_exam_hint(ds),
+        view_problem=problem,
+        view_note=res.note() if problem else "",
     )
 
 

@@ -4,7 +4,7 @@ detectron2's ``DefaultPredictor`` (detectron2/engine/defaults.py) owns single-im
 here a "sample" is an exam, because each image is detected with its ipsilateral partner view as
 the auxiliary input. ``ExamPredictor``:
 
-* reads DICOM headers, groups the images into exams (StudyInstanceUID) and breasts (laterality),
+* reads DICOM headers, groups the images into exams (``group_exams``) and breasts (laterality),
   and pairs CC <-> MLO with the training pairing rule (``braixdet/data/pairing.py``): every image
   is the main view once; a missing partner makes the image its own auxiliary view, as in
   training, counted as ``aux_missing`` in the report;
@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
@@ -37,7 +37,7 @@ import torch
 from detectron2.modeling import build_model
 from detectron2.structures import Instances
 
-from ..data.dicom import DicomMeta, read_dicom_meta
+from ..data.dicom import DicomMeta, pseudonymise, read_dicom_meta
 from ..data.mapper import MultiViewDatasetMapper
 from ..data.pairing import pair_views
 from ..data.report import BadInputError, BadInputReport
@@ -58,6 +58,7 @@ class Exam:
 
     study_uid: str
     images: tuple  # of DicomMeta
+    key: str = ""  # identifier-free exam key (group_exams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,40 +104,87 @@ def find_dicoms(inputs: Iterable[str]) -> List[str]:
     return sorted({os.path.normpath(f) for f in files})
 
 
-def read_metas(files: Iterable[str], report: BadInputReport,
-               allow_for_processing=False) -> List[DicomMeta]:
-    """Header of every readable file; each unreadable one is one line in ``report``."""
+def read_metas(files: Iterable[str], report: BadInputReport, allow_for_processing=False,
+               overrides=None) -> List[DicomMeta]:
+    """Header of every readable file; each unreadable one is one line in ``report``.
+
+    ``overrides``: a ``ViewOverrides`` (``braixdet.data.views.load_views_csv``); a file's row
+    replaces what its tags say (non-empty cells only), counted ``views_csv_override``."""
     metas = []
     for f in files:
         try:
-            metas.append(read_dicom_meta(f, allow_for_processing=allow_for_processing))
+            m = read_dicom_meta(f, allow_for_processing=allow_for_processing)
         except BadInputError as e:
             report.add(e)
+            continue
+        row = overrides.lookup(f) if overrides is not None else None
+        if row is not None:
+            lat, view = row["laterality"] or m.laterality, row["view"] or m.view
+            m = dataclasses.replace(
+                m, laterality=lat, view=view,
+                exam_hint=_CSV_EXAM + pseudonymise(row["exam"]) if row["exam"] else m.exam_hint,
+                view_problem="" if lat and view else m.view_problem)
+            report.count("views_csv_override")
+        metas.append(m)
     return metas
 
 
-def group_exams(metas: Iterable[DicomMeta], report: BadInputReport) -> List[Exam]:
-    """Exams (by StudyInstanceUID) of the CC/MLO images with a laterality, sorted by UID.
+_CSV_EXAM = "csv:"  # exam_hint prefix of an exam given by the views CSV
 
-    An image without a CC/MLO-like view or laterality is reported (``unknown_view``) and left
-    out. An image without StudyInstanceUID is an exam of its own (counted ``no_study_uid``):
-    pairing it with other such images could pair two patients.
+
+def exam_key(meta: DicomMeta, uid_shared: bool) -> tuple:
+    """The exam of one image (see ``group_exams``); parts are pseudonyms or UIDs."""
+    if meta.exam_hint.startswith(_CSV_EXAM):
+        return ("csv", meta.exam_hint)
+    if meta.study_uid and uid_shared:
+        return ("study", meta.patient_id, meta.study_uid)
+    if meta.patient_id and meta.exam_hint:
+        return ("patient", meta.patient_id, meta.exam_hint)
+    if meta.study_uid:
+        return ("study", meta.patient_id, meta.study_uid)
+    return ("file", os.path.abspath(meta.path))
+
+
+def group_exams(metas: Iterable[DicomMeta], report: BadInputReport) -> List[Exam]:
+    """Exams of the CC/MLO images with a laterality, sorted by (StudyInstanceUID, first path).
+
+    An image without a CC/MLO-like view or laterality is one report line (``unknown_view``,
+    or ``refused_view`` for spot/magnification/... views) naming the tags tried, and left out.
+    The exam of an image, first rule that applies (our choice; ``patient`` is the
+    pseudonymised patient stem, ``P_00173`` for CBIS-DDSM's ``Mass-Test_P_00173_LEFT_CC``):
+
+    1. the ``exam`` of its views-CSV row;
+    2. (patient, StudyInstanceUID) when another image of the same patient has that UID;
+    3. (patient, AccessionNumber, else StudyDate): archives that give every image its own
+       StudyInstanceUID, as CBIS-DDSM does;
+    4. its own StudyInstanceUID;
+    5. no UID and no patient/date: an exam of its own (counted ``no_study_uid``): pairing it
+       with other such images could pair two patients.
+
+    ``Exam.key`` is a pseudonym of that rule's key (no identifier); ``Exam.study_uid`` is the
+    shared StudyInstanceUID under rule 2 or 4, else "".
     """
-    exams = defaultdict(list)
+    usable = []
     for m in metas:
         lat, view = normalize_laterality(m.laterality or ""), normalize_view(m.view or "")
         if lat is None or view is None:
-            report.add(BadInputError(m.path, "unknown_view",
+            report.add(BadInputError(m.path, m.view_problem or "unknown_view", m.view_note or
                                      f"laterality={m.laterality} view={m.view}"))
             continue
         if (lat, view) != (m.laterality, m.view):
             m = dataclasses.replace(m, laterality=lat, view=view)
-        if not m.study_uid:
+        usable.append(m)
+    per_study = Counter((m.patient_id, m.study_uid) for m in usable if m.study_uid)
+    exams = defaultdict(list)
+    for m in usable:
+        key = exam_key(m, per_study[(m.patient_id, m.study_uid)] > 1)
+        if key[0] == "file":
             report.count("no_study_uid")
-        exams[(m.study_uid, "" if m.study_uid else os.path.abspath(m.path))].append(m)
-    return [Exam(study_uid=uid, images=tuple(sorted(
-        v, key=lambda m: (m.laterality, m.view, m.sop_uid, m.path))))
-        for (uid, _), v in sorted(exams.items())]
+        exams[key].append(m)
+    out = [Exam(study_uid=key[2] if key[0] == "study" else "", images=tuple(sorted(
+        v, key=lambda m: (m.laterality, m.view, m.sop_uid, m.path))),
+        key=pseudonymise("exam|" + "|".join(key))) for key, v in exams.items()]
+    return sorted(out, key=lambda e: (e.study_uid, min(m.path for m in e.images)))
 
 
 def pair_exam(images: Sequence[DicomMeta], report: Optional[BadInputReport] = None
@@ -202,10 +250,12 @@ class ExamPredictor:
         self.close()
 
     # -- inputs ---------------------------------------------------------------------------------
-    def exams(self, inputs: Iterable[str], report: BadInputReport) -> List[Exam]:
-        """Exams of the DICOM files and folders ``inputs`` (headers only)."""
-        return group_exams(read_metas(find_dicoms(inputs), report, self.allow_for_processing),
-                           report)
+    def exams(self, inputs: Iterable[str], report: BadInputReport, overrides=None
+              ) -> List[Exam]:
+        """Exams of the DICOM files and folders ``inputs`` (headers only); ``overrides``: a
+        views CSV (``braixdet.data.views.load_views_csv``), see ``read_metas``."""
+        return group_exams(read_metas(find_dicoms(inputs), report, self.allow_for_processing,
+                                      overrides=overrides), report)
 
     def load(self, meta: DicomMeta):
         """(canonical (1, H, W) float32 tensor, original -> canonical transform) of one image,
