@@ -149,7 +149,7 @@ def _from_code_sequence(ds):
 
 def _from_words(text, keyword):
     """(view, laterality, refused) from the words of a description: 'L CC', 'RMLO', ..."""
-    views, lats, refused = set(), set(), ""
+    views, lats, lone, refused = set(), set(), set(), ""
     for w in _words(text):
         m = _LAT_VIEW_WORD.match(w)
         if m:
@@ -157,12 +157,14 @@ def _from_words(text, keyword):
             views.add(_VIEWS[m.group(2)])
         elif w in _VIEWS:
             views.add(_VIEWS[w])
-        elif w in _LATERALITIES and len(w) > 1:  # a lone 'L'/'R' is too ambiguous in prose
-            lats.add(_LATERALITIES[w])
+        elif w in _LATERALITIES:
+            (lats if len(w) > 1 else lone).add(_LATERALITIES[w])
         elif w in _REFUSED_VIEWS and len(w) > 2:
             refused = f"{keyword} says {_REFUSED_VIEWS[w]}"
         elif w in ("MASK", "CROPPED", "ROI"):  # CBIS-DDSM ROI masks and lesion crops
             refused = f"{keyword} says ROI mask or cropped image"
+    if views and not lats:  # a lone 'L'/'R' counts only next to a view name ("R MLO")
+        lats = lone
     # two different views (or sides) named: the text does not describe one image
     return (views.pop() if len(views) == 1 else None,
             lats.pop() if len(lats) == 1 else None, refused)
