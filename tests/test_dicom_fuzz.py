@@ -230,3 +230,80 @@ def test_j2k_codestream_larger_than_header_refused(tmp_path):
     assert ei.value.reason == "bad_dimensions" and "JPEG 2000" in ei.value.detail
     read_dicom_meta(p)  # header alone is fine
     assert os.path.getsize(p) < 10000
+
+
+# ------------------------------------------------------------------ JPEG 2000 fragment layouts
+def _j2k_layouts(tmp_path, claimed):
+    """{layout: path} of 256x256-header J2K files whose codestream claims ``claimed`` x
+    ``claimed``: the SIZ after 600 empty fragments (beyond the first 4 KB, like the issue's
+    7.4 KB bomb), split across fragments, behind a Basic Offset Table with an offset."""
+    from pydicom.encaps import itemize_fragment
+
+    p = write_dicom(tmp_path / "base.dcm", np.zeros((256, 256), np.uint16),
+                    transfer_syntax=JPEG2000Lossless)
+    ds = pydicom.dcmread(p)
+    code = bytearray(next(pydicom.encaps.generate_frames(ds.PixelData, number_of_frames=1)))
+    i = code.find(b"\xff\x4f\xff\x51")
+    code[i + 8:i + 16] = struct.pack(">II", claimed, claimed)  # Xsiz, Ysiz
+    code = bytes(code)
+
+    def items(frags, bot=b""):
+        return itemize_fragment(bot) + b"".join(itemize_fragment(f) for f in frags)
+
+    layouts = {
+        "empty_fragments_first": items([b""] * 600 + [code]),
+        "siz_split_across_fragments": items([code[:i + 10], code[i + 10:i + 30], code[i + 30:]]),
+        "offset_table": items([code[:7], code[7:]], bot=struct.pack("<I", 0)),
+    }
+    out = {}
+    for name, pixel_data in layouts.items():
+        ds.PixelData = pixel_data
+        ds["PixelData"].is_undefined_length = True
+        out[name] = tmp_path / f"{name}.dcm"
+        ds.save_as(out[name], enforce_file_format=True)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["empty_fragments_first", "siz_split_across_fragments",
+                                    "offset_table"])
+def test_j2k_size_bomb_found_in_any_fragment_layout(tmp_path, monkeypatch, layout):
+    """Issue 21 item 2: the SIZ is found wherever the fragments put it and checked before the
+    decoder runs (a decoder call here would be a 19000x19000 frame, 2.8 GB)."""
+    from braixdet.data import dicom
+
+    path = _j2k_layouts(tmp_path, 19000)[layout]
+    assert os.path.getsize(path) < 12000
+
+    def decoder_called(*a, **k):
+        raise AssertionError("the decoder ran on a size bomb")
+
+    monkeypatch.setattr(dicom, "pixel_array", decoder_called)
+    with pytest.raises(BadInputError) as ei:
+        read_dicom_image(path)
+    assert ei.value.reason == "bad_dimensions", ei.value
+    assert "JPEG 2000 codestream is 19000x19000, header says 256x256" in str(ei.value)
+
+
+def test_j2k_fragment_layouts_of_a_valid_stream_decode(tmp_path):
+    """The same layouts with a truthful SIZ decode to the written pixels, memory bounded."""
+    for name, path in _j2k_layouts(tmp_path, 256).items():
+        img, _ = read_dicom_image(path)
+        assert img.shape == (256, 256), name
+        assert _peak_mib(lambda p=path: read_dicom_image(p)) < 16, name
+
+
+def test_j2k_without_siz_or_with_many_components_refused(tmp_path):
+    p = write_dicom(tmp_path / "b.dcm", np.zeros((64, 64), np.uint16),
+                    transfer_syntax=JPEG2000Lossless)
+    ds = pydicom.dcmread(p)
+    code = bytearray(next(pydicom.encaps.generate_frames(ds.PixelData, number_of_frames=1)))
+    i = code.find(b"\xff\x4f\xff\x51")
+    many = bytearray(code)
+    many[i + 40:i + 42] = struct.pack(">H", 16384)  # Csiz: 16384 components
+    for name, frags, reason in [("junk", [b"\x00" * 70000, bytes(code)], "undecodable"),
+                                ("components", [bytes(many)], "unsupported")]:
+        ds.PixelData = encapsulate(frags)
+        ds.save_as(tmp_path / f"{name}.dcm", enforce_file_format=True)
+        with pytest.raises(BadInputError) as ei:
+            read_dicom_image(tmp_path / f"{name}.dcm")
+        assert ei.value.reason == reason, (name, ei.value)

@@ -10,6 +10,7 @@ Patient identifiers never leave this module in the clear: ``DicomMeta.patient_id
 ``Mass-Test_P_00173_LEFT_CC``) and no raw PatientID/PatientName/PatientBirthDate is logged.
 """
 import hashlib
+import io
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 import pydicom
+from pydicom.encaps import generate_fragments, parse_basic_offsets
 from pydicom.errors import InvalidDicomError
 from pydicom.pixels import apply_modality_lut, apply_voi_lut, get_decoder, pixel_array
 from pydicom.uid import (
@@ -343,22 +345,28 @@ def _missing_plugins(decoder):
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC} | {0xF7}
 
 
-def _first_fragment(pixel_data, limit=1 << 16):
-    """Up to ``limit`` bytes of the first fragment of encapsulated pixel data (b"" if odd)."""
-    b = memoryview(pixel_data)
-    if len(b) < 8 or bytes(b[:4]) != b"\xfe\xff\x00\xe0":
-        return b""
-    start = 8 + int.from_bytes(b[4:8], "little")  # skip the Basic Offset Table item
-    if bytes(b[start:start + 4]) != b"\xfe\xff\x00\xe0":
-        return b""
-    size = int.from_bytes(b[start + 4:start + 8], "little")
-    return bytes(b[start + 8:start + 8 + min(size, limit)])
+def _codestream_head(path, pixel_data, limit=1 << 16):
+    """Up to ``limit`` bytes of the frame's data: its fragments in order after the Basic Offset
+    Table, empty ones skipped, so a header split across fragments or placed after empty ones is
+    still found. Copies at most ``limit`` bytes; malformed items are one bad-input line."""
+    buf = io.BytesIO(pixel_data)
+    head, n = [], 0
+    try:
+        parse_basic_offsets(buf)
+        for fragment in generate_fragments(buf):
+            head.append(fragment[:limit - n])
+            n += len(head[-1])
+            if n >= limit:
+                break
+    except (ValueError, struct.error) as e:
+        _fail(path, "undecodable", f"malformed encapsulated pixel data: {e}")
+    return b"".join(head)
 
 
 def _check_jpeg_size(path, pixel_data, rows, cols):
     """The JPEG / JPEG-LS frame header (SOF) must agree with Rows/Columns: the codec allocates
     by the SOF, so a crafted one could ask for gigabytes before any other check."""
-    b = _first_fragment(pixel_data)
+    b = _codestream_head(path, pixel_data)
     if b[:2] != b"\xff\xd8":  # no SOI: let the decoder judge
         return
     i = 2
@@ -387,15 +395,21 @@ def _check_jpeg_size(path, pixel_data, rows, cols):
 
 
 def _check_j2k_size(path, pixel_data, rows, cols):
-    """The J2K SIZ marker must agree with Rows/Columns (the codec allocates by SIZ)."""
-    head = bytes(pixel_data[:4096])
+    """The J2K SIZ marker (wherever the codestream starts in the fragments) must agree with
+    Rows/Columns and declare one component of <= 16 bits: the codec allocates by SIZ, so without
+    it nothing bounds the memory of a crafted file. No SIZ found: refused, not decoded."""
+    head = _codestream_head(path, pixel_data)
     i = head.find(b"\xff\x4f\xff\x51")  # SOC + SIZ
-    if i < 0 or i + 26 > len(head):
-        return  # let the decoder judge
+    if i < 0 or i + 43 > len(head):
+        _fail(path, "undecodable", "no JPEG 2000 SIZ marker in the first 64 KB of the codestream")
     xsiz, ysiz, xo, yo = struct.unpack(">IIII", head[i + 8:i + 24])
+    components, depth = struct.unpack(">HB", head[i + 40:i + 43])
     if (xsiz - xo, ysiz - yo) != (cols, rows):
         _fail(path, "bad_dimensions",
               f"JPEG 2000 codestream is {xsiz - xo}x{ysiz - yo}, header says {cols}x{rows}")
+    if components != 1 or (depth & 0x7F) + 1 > 16:
+        _fail(path, "unsupported", f"JPEG 2000 codestream has {components} components of "
+                                   f"{(depth & 0x7F) + 1} bits (expected 1 grey channel)")
 
 
 def _padding_mask_values(ds, lo, hi):
