@@ -240,3 +240,26 @@ def test_cbis_mask_size_mismatch_rescaled(synthetic_root, tmp_path):
     assert report.counts["mask_rescaled"] == 1 and report.num_bad == 0
     d = next(d for d in dicts if _rel(root, d["file_name"]) == t["path"])
     assert any(_box_close(b, les["bbox"]) for b in _boxes(d))
+
+
+def test_exam_csv_counts_dicom_view_and_side_disagreement(tmp_path):
+    """The CSV wins; the DICOM's own view/side (the predictor's resolver) is counted when it
+    says otherwise: here PatientOrientation 'MLO' and Laterality 'R' vs the CSV's L CC."""
+    import numpy as np
+
+    from braixdet.data.dicom import write_dicom
+
+    px = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    write_dicom(tmp_path / "a.dcm", px, PatientOrientation="MLO", Laterality="R")
+    write_dicom(tmp_path / "b.dcm", px, PatientOrientation="MLO", Laterality="L")
+    with open(tmp_path / "exams.csv", "w", newline="") as f:
+        csv.writer(f).writerows([
+            ["patient_id", "exam_id", "image_path", "laterality", "view", "cancer_label",
+             "annotation", "boxes", "split"],
+            ["p1", "e1", "a.dcm", "L", "CC", "0", "full", "[]", "train"],
+            ["p1", "e1", "b.dcm", "L", "MLO", "0", "full", "[]", "train"]])
+    report = BadInputReport("t")
+    dicts = load_exam_csv("exams.csv", str(tmp_path), report)
+    assert [(d["laterality"], d["view"]) for d in dicts] == [("L", "CC"), ("L", "MLO")]
+    assert report.counts["laterality_disagreement"] == 1
+    assert report.counts["view_disagreement"] == 1

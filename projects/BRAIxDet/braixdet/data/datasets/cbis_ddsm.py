@@ -21,6 +21,7 @@ import numpy as np
 from ..dicom import pseudonymise
 from ..report import BadInputError
 from .common import (
+    check_view_agreement,
     checked_annotations,
     finish,
     is_under,
@@ -234,6 +235,7 @@ def _load_image(root, patient, lat, view, rows, report, allow_for_processing):
         return None
     if len({r["image_file_path"] for _, r, _ in rows}) > 1:
         report.count("merged_duplicate_image")
+    check_view_agreement(meta, lat, view, report)
     h, w = int(meta.rows), int(meta.cols)
 
     boxes, made_weak = [], False

@@ -161,6 +161,16 @@ def read_meta(path, report, allow_for_processing=False):
         return None
 
 
+def check_view_agreement(meta, lat, view, report):
+    """The CSV's laterality/view win; where the DICOM's own (``views.resolve_view``, the
+    predictor's resolver) names another, count ``laterality_disagreement`` /
+    ``view_disagreement`` so the user sees a mislabelled archive."""
+    if meta.laterality and meta.laterality != lat:
+        report.count("laterality_disagreement")
+    if meta.view and meta.view != view:
+        report.count("view_disagreement")
+
+
 def load_csv_rows(csv_path, report, required, load_row):
     """Dataset dicts of a CSV: ``load_row(line, row)`` per row (None = skipped, already in the
     report). Any exception of one hostile row is that row's ``bad_row``; the loader goes on."""

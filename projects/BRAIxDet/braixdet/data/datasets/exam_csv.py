@@ -12,6 +12,7 @@ from ..dicom import pseudonymise
 from ..report import BadInputError
 from .common import (
     CellError,
+    check_view_agreement,
     checked_annotations,
     finish,
     load_csv_rows,
@@ -88,8 +89,7 @@ def _load_row(line, row, root, base, csv_path, seen, report, allow_for_processin
     meta = read_meta(path, report, allow_for_processing)
     if meta is None:
         return None
-    if meta.laterality and meta.laterality != lat:
-        report.count("laterality_disagreement")  # the CSV wins; counted for the user
+    check_view_agreement(meta, lat, view, report)
     h, w = int(meta.rows), int(meta.cols)
     pid = pseudonymise(row["patient_id"])
     d = {

@@ -13,6 +13,7 @@ from ..dicom import pseudonymise
 from ..report import BadInputError
 from .common import (
     CellError,
+    check_view_agreement,
     checked_annotations,
     finish,
     load_csv_rows,
@@ -91,6 +92,7 @@ def _load_row(line, row, root, breast_csv, boxes, seen, report, allow_for_proces
     meta = read_meta(path, report, allow_for_processing)
     if meta is None:
         return None
+    check_view_agreement(meta, lat, view, report)
     h, w = int(meta.rows), int(meta.cols)
     if row.get("height") and row.get("width"):
         try:
