@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from braixdet.data.preprocess import PreprocessParams
+from braixdet.data.report import BadInputError
 
 PARAMS = PreprocessParams(canonical_size=(128, 64), margin=0.02, downsample=4)
 
@@ -705,3 +706,35 @@ def test_disk_full_during_training_ends_with_one_line(synthetic_root, tmp_path, 
     assert sorted(f for f in os.listdir(out) if "model" in f) == ["model_0000000.pth"]
     assert (out / "last_checkpoint").read_text() == "model_0000000.pth"
     assert not (out / ".lock").exists()
+
+
+# ------------------------------------------------------------------------------ nonsense intensity
+@pytest.mark.parametrize("attrs,detail", [
+    ({"RescaleSlope": "0"}, "RescaleSlope 0.0"),
+    ({"RescaleSlope": "NaN"}, "RescaleSlope nan"),
+    ({"RescaleSlope": "1e308"}, "RescaleSlope 1e+308"),
+    ({"RescaleSlope": "-1e308"}, "RescaleSlope -1e+308"),
+    ({"RescaleIntercept": "inf"}, "RescaleIntercept inf"),
+])
+def test_nonsense_rescale_refused_with_reason(tmp_path, attrs, detail):
+    """Issue 21 item 8: these gave an all-black canonical image without a bad-input line."""
+    from braixdet.data.dicom import read_dicom_image, write_dicom
+
+    px = np.arange(64 * 48, dtype=np.uint16).reshape(64, 48)
+    p = write_dicom(tmp_path / "x.dcm", px, **attrs)
+    with pytest.raises(BadInputError) as e:
+        read_dicom_image(p)
+    assert e.value.reason == "bad_intensity" and detail in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    ok = write_dicom(tmp_path / "ok.dcm", px, RescaleSlope="2", RescaleIntercept="-100")
+    assert read_dicom_image(ok)[0].max() == 1.0  # sane values still read
+
+
+@pytest.mark.parametrize("side", [1, 2])
+def test_tiny_images_refused(tmp_path, side):
+    from braixdet.data.dicom import read_dicom_image, write_dicom
+
+    p = write_dicom(tmp_path / "t.dcm", np.full((side, side), 7, np.uint16))
+    with pytest.raises(BadInputError) as e:
+        read_dicom_image(p)
+    assert e.value.reason == "bad_dimensions" and "not a mammogram" in str(e.value)

@@ -57,6 +57,10 @@ MAX_PIXELS = 100_000_000
 # Largest plausible compression ratio for a big image (lossless mammograms are ~2-5:1).
 MAX_COMPRESSION_RATIO = 500
 _LUT_MAX_ENTRIES = 1 << 20  # stored-value range up to which the intensity pipeline is a LUT
+MIN_SIDE = 8  # smaller images carry no mammogram (our choice; FFDM is thousands of pixels)
+# |RescaleSlope| range and |RescaleIntercept| limit of a sane modality LUT (our choice): outside
+# it the rescaled values overflow or collapse and the canonical image is black
+_SLOPE_RANGE, _INTERCEPT_MAX = (1e-6, 1e6), 1e9
 
 
 
@@ -253,6 +257,10 @@ def _decode_stored(path, ds, meta):
               f"PhotometricInterpretation {meta.photometric[:16] or 'missing'}")
     if _int(ds, "SamplesPerPixel", 1) != 1:
         _fail(path, "unsupported", "SamplesPerPixel != 1")
+    if min(meta.rows, meta.cols) < MIN_SIDE:
+        _fail(path, "bad_dimensions", f"{meta.rows}x{meta.cols} image: smaller than "
+                                      f"{MIN_SIDE}x{MIN_SIDE}, not a mammogram")
+    _check_rescale(path, ds)
     frames = _int(ds, "NumberOfFrames", 1) or 1
     if frames != 1:
         _fail(path, "unsupported", f"multi-frame image ({frames} frames)")
@@ -412,6 +420,19 @@ def _check_j2k_size(path, pixel_data, rows, cols):
                                    f"{(depth & 0x7F) + 1} bits (expected 1 grey channel)")
 
 
+def _check_rescale(path, ds):
+    """Slope 0 / NaN / +-1e308 or an infinite intercept: refused (it would give a black image)."""
+    for key, default in (("RescaleSlope", 1.0), ("RescaleIntercept", 0.0)):
+        raw = ds.get(key, None)
+        try:
+            value = default if raw is None or raw == "" else float(raw)
+        except (TypeError, ValueError):
+            _fail(path, "bad_intensity", f"{key} {str(raw)[:32]!r} is not a number")
+        lo, hi = _SLOPE_RANGE if key == "RescaleSlope" else (0.0, _INTERCEPT_MAX)
+        if not (np.isfinite(value) and lo <= abs(value) <= hi):
+            _fail(path, "bad_intensity", f"{key} {value!r} outside [{lo:g}, {hi:g}] in magnitude")
+
+
 def _padding_mask_values(ds, lo, hi):
     """Stored values (as indices into [lo, hi]) that are PixelPaddingValue (or its range)."""
     pad = ds.get("PixelPaddingValue", None)
@@ -456,6 +477,8 @@ def _to_unit_range(path, ds, stored, photometric):
     pad_idx = _padding_mask_values(ds, lo, hi)
 
     modality = np.asarray(apply_modality_lut(values, ds), dtype=np.float64)
+    if not np.isfinite(modality).all():  # e.g. a Modality LUT with absurd entries
+        _fail(path, "bad_intensity", "the modality LUT gives non-finite values")
     lut = None
     if _has_voi(ds):
         # A VOI LUT indexes by value: give it integers when the modality output is integral.
