@@ -245,3 +245,13 @@ def test_views_csv_duplicate_and_header(tmp_path):
     assert "the same file listed twice" in report.errors[0]["detail"]
     with pytest.raises(BadInputError, match="header must be file,laterality,view,exam"):
         load_views_csv(_csv(tmp_path, "path,side\n", "h.csv"))
+
+
+def test_malformed_view_tags_are_absent_not_fatal():
+    ds = _ds(ViewCodeSequence=[_ds(CodeValue="399162004")], Laterality="L")
+    ds.ViewCodeSequence[0].ViewModifierCodeSequence = [Dataset()]  # modifier without a code
+    assert (resolve_view(ds).view, resolve_view(ds).laterality) == ("CC", "L")
+    # a fuzzed header: ViewCodeSequence holding bytes (the resolver takes any .get mapping)
+    r = resolve_view({"ViewCodeSequence": b"\x01\x02", "PatientOrientation": "CC",
+                      "Laterality": "R"})
+    assert (r.view, r.laterality) == ("CC", "R") and "ViewCodeSequence (malformed)" in r.tried

@@ -108,7 +108,10 @@ class ViewResolution:
 
 
 def _text(ds, keyword):
-    v = ds.get(keyword, None)
+    try:
+        v = ds.get(keyword, None)
+    except Exception:  # noqa: BLE001 - a malformed optional tag is as good as absent
+        return ""
     if v is None:
         return ""
     if not isinstance(v, (str, bytes)) and hasattr(v, "__len__"):  # MultiValue
@@ -122,6 +125,13 @@ def _words(text):
 
 def _from_code_sequence(ds):
     """(view or None, refused reason or "", what was found) from ViewCodeSequence."""
+    try:
+        return _read_code_sequence(ds)
+    except Exception:  # noqa: BLE001 - a malformed sequence names no view; the rest decides
+        return None, "", "malformed"
+
+
+def _read_code_sequence(ds):
     seq = ds.get("ViewCodeSequence", None) or []
     if not seq:
         return None, "", "absent"
