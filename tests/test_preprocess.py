@@ -85,6 +85,37 @@ def test_ambiguous_image_uses_laterality():
         assert info["flip"] == flip and info["flip_source"] == "laterality"
 
 
+def _film(strips):
+    """A breast whose chest-wall side spans the whole height (as an MLO) on a 'film' with the
+    given bright edge strips: {"top"|"bottom"|"far": depth in pixels} (far: the side away
+    from the chest wall), 0.9 bright, as scanned films have."""
+    h, w = 400, 320
+    img = np.full((h, w), 0.03, np.float32)
+    yy, xx = np.mgrid[0:h, 0:w]
+    r = np.hypot((yy - h * 0.5) / (0.62 * h), xx / (0.45 * w))
+    img[r < 1] = 0.5
+    for where, depth in strips.items():
+        region = {"top": np.s_[:depth, :], "bottom": np.s_[h - depth:, :],
+                  "far": np.s_[:, w - depth:]}[where]
+        img[region] = 0.9
+    return img
+
+
+@pytest.mark.parametrize("strips", [{"top": 6}, {"bottom": 12}, {"top": 4, "far": 8},
+                                    {"top": 8, "bottom": 8, "far": 4}])
+def test_film_edge_strips_are_not_breast(strips):
+    """Strips touching the breast made the whole film one component (issue 19's right MLO):
+    the crop must be the clean film's crop (within 2 mask pixels of 4 px), less at most the
+    rows under a top/bottom strip (they are film edge)."""
+    params = PreprocessParams(canonical_size=(128, 64), margin=0.0, downsample=4)
+    x0, y0, cw, ch = canonicalize(_film({}), "L", params)[2]["crop"]
+    cx0, cy0, ccw, cch = canonicalize(_film(strips), "L", params)[2]["crop"]
+    assert cw < 0.6 * 320 and (x0, y0, ch) == (0, 0, 400)  # the breast: narrow, full height
+    assert cx0 == 0 and abs(ccw - cw) <= 8, (ccw, cw)
+    top, bottom = strips.get("top", 0), strips.get("bottom", 0)
+    assert cy0 <= top + 8 and cy0 + cch >= 400 - bottom - 8
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_box_round_trip_within_one_pixel(side):
     img, *_ = synth(side, seed=3)
