@@ -144,6 +144,8 @@ def test_crop_keeps_breast_drops_film_edges_and_letters(decoded, canonical, inde
                        ("nipple side", content[:, -2:])):
         assert (line > 0.2).mean() < 0.9, (name, (line > 0.2).mean())
     assert (content[:, :2] > 0.2).mean() > 0.5  # the chest wall is on the left, with tissue
+    # the image's own mass agrees with the Laterality tag: right breasts are flipped
+    assert info["flip"] == (meta.laterality == "R") and not info["laterality_disagreement"]
 
 
 def test_film_edge_strip_would_take_the_whole_film(decoded, monkeypatch):
