@@ -372,7 +372,7 @@ def test_second_run_on_same_output_dir_is_refused(synthetic_root, tmp_path):
         assert lock.took_over["pid"] == first.pid
     finally:
         lock.release()
-    assert not (out / ".lock").exists()
+    assert (out / ".lock").read_text() == ""  # released: kept empty (filelock keeps the file)
 
 
 def _dead_pid():
@@ -402,9 +402,9 @@ def test_stale_lock_of_dead_process_is_taken_over(tmp_path, caplog):
     assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
     assert acquire_output_lock(out) is lock  # re-entrant in one process
     lock.release()
-    assert not (out / ".lock").exists()
-    with acquire_output_lock(out):  # clean again: no takeover
-        pass
+    assert (out / ".lock").read_text() == ""
+    with acquire_output_lock(out) as again:  # clean again: no takeover
+        assert again.took_over is None
     # a live holder (here: an open flock of another open file description) refuses
     import fcntl
 
@@ -420,27 +420,24 @@ def test_stale_lock_of_dead_process_is_taken_over(tmp_path, caplog):
         os.close(other)
 
 
-def test_lock_without_flock_uses_pid_and_host(tmp_path, monkeypatch):
-    import errno
-    import fcntl
-    import socket
+def test_symlinked_lock_file_is_refused_and_never_written(tmp_path):
+    """Issue 21 item 1: ``ln -s $PWD/v o/.lock`` made the lock write its JSON into ``v``."""
+    from braixdet.engine.output_lock import acquire_output_lock
+    from braixdet.utils.io import OutputPathRefused
 
-    from braixdet.engine import output_lock
-
-    def no_flock(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
-
-    monkeypatch.setattr(fcntl, "flock", no_flock)
-    out = tmp_path / "out"
+    out, victim = tmp_path / "o", tmp_path / "v"
     out.mkdir()
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}
-    (out / ".lock").write_text(json.dumps(me))  # a live process on this host
-    with pytest.raises(output_lock.OutputDirInUseError):
-        output_lock.OutputDirLock(out).acquire()
-    (out / ".lock").write_text(json.dumps(dict(me, pid=_dead_pid())))
-    lock = output_lock.OutputDirLock(out).acquire()
-    assert lock.took_over and lock.info["pid"] == os.getpid()
-    lock.release()
+    victim.write_text("keep")
+    os.symlink(victim, out / ".lock")
+    with pytest.raises(OutputPathRefused) as e:
+        acquire_output_lock(out)
+    assert str(e.value).startswith(f"refusing to write {out / '.lock'}: it is a symbolic link")
+    assert victim.read_text() == "keep"
+    os.unlink(out / ".lock")
+    os.symlink(tmp_path / "dangling", out / ".lock")  # a dangling link is not created through
+    with pytest.raises(OutputPathRefused):
+        acquire_output_lock(out)
+    assert not (tmp_path / "dangling").exists()
 
 
 # ------------------------------------------------------------------------------ preflight
@@ -469,7 +466,7 @@ def test_preflight_empty_validation_split_fails_before_training(synthetic_root, 
     assert "Traceback" not in err
     assert not [f for f in os.listdir(out) if f.endswith(".pth") or f == "last_checkpoint"]
     assert "PreflightError" in (out / "log.txt").read_text()  # the traceback is in the log
-    assert not (out / ".lock").exists()  # released
+    assert (out / ".lock").read_text() == ""  # released
 
 
 @pytest.mark.parametrize("key,value,reason", [
@@ -705,7 +702,7 @@ def test_disk_full_during_training_ends_with_one_line(synthetic_root, tmp_path, 
         last.endswith("MB); the previous checkpoint is intact"), err[-3000:]
     assert sorted(f for f in os.listdir(out) if "model" in f) == ["model_0000000.pth"]
     assert (out / "last_checkpoint").read_text() == "model_0000000.pth"
-    assert not (out / ".lock").exists()
+    assert (out / ".lock").read_text() == ""  # released
 
 
 # ------------------------------------------------------------------------------ nonsense intensity
@@ -738,3 +735,74 @@ def test_tiny_images_refused(tmp_path, side):
     with pytest.raises(BadInputError) as e:
         read_dicom_image(p)
     assert e.value.reason == "bad_dimensions" and "not a mammogram" in str(e.value)
+
+
+# ------------------------------------------------------------------------------ config values
+@pytest.mark.parametrize("key,value,allowed", [
+    ("SOLVER.IMS_PER_BATCH", "0", "an integer >= 1"),
+    ("DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "0", "an integer >= 1"),
+    ("DATASETS.BRAIXDET.RATIO", "1/0", "a fraction in (0, 1] such as '1/8' or 0.125"),
+    ("DATASETS.BRAIXDET.RATIO", "abc", "a fraction in (0, 1] such as '1/8' or 0.125"),
+    ("DATASETS.BRAIXDET.FORMAT", "dicomdir", "one of 'cbis_ddsm', 'exam_csv', 'vindr_mammo'"),
+    ("DATASETS.BRAIXDET.VAL_FRACTION", "1.5", "a number in [0, 1)"),
+    ("INPUT.BRAIXDET.MASK_DOWNSAMPLE", "0", "an integer >= 1"),
+])
+def test_bad_config_value_is_one_line_before_any_data(synthetic_root, tmp_path, key, value,
+                                                      allowed):
+    """Issue 21 item 5: these ended in ZeroDivisionError / ValueError tracebacks (VAL_FRACTION
+    1.5: an empty training split, exit 0). Now: one line naming key, value and what is allowed,
+    before the output folder or the dataset is touched."""
+    out = tmp_path / "out"
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=1, extra=[key, value])
+    rc, last, err = _cli("mvccl", opts)
+    shown = repr(value) if not value.replace(".", "").isdigit() else value
+    assert rc == 1 and last == f"error: {key} = {shown}: allowed: {allowed}", err[-2000:]
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert not out.exists()
+
+
+def test_lesion_free_validation_split_refused_unless_opted_in(synthetic_root, tmp_path):
+    """Issue 21 item 6: with split seed 4 the session's validation split has no lesion; it used
+    to train to the end (AP NaN, "the last model exported")."""
+    from braixdet.engine.preflight import check_before_training
+
+    out = tmp_path / "out"
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=2, extra=["DATASETS.BRAIXDET.SEED", "4"])
+    rc, last, err = _cli("mvccl", opts)
+    assert rc == 1 and last == (
+        "error: DATASETS.TEST: validation dataset 'cbis_ddsm_val_s4' (2 images) has no lesion, "
+        "so its AP/AUC is undefined; raise DATASETS.BRAIXDET.VAL_FRACTION, use another "
+        "DATASETS.BRAIXDET.SEED, or set DATASETS.BRAIXDET.ALLOW_LESION_FREE_VAL True"), err[-2000:]
+    assert not [f for f in os.listdir(out) if f.endswith(".pth")]
+    for stage in ("braixdet", "mvccl"):  # the detector's split too; the opt-in key passes it
+        seed4 = ["DATASETS.BRAIXDET.SEED", "4"]
+        with pytest.raises(Exception, match="has no lesion"):
+            check_before_training(_registered_cfg(synthetic_root, tmp_path / stage, stage,
+                                                  extra=seed4))
+        check_before_training(_registered_cfg(
+            synthetic_root, tmp_path / stage, stage,
+            extra=seed4 + ["DATASETS.BRAIXDET.ALLOW_LESION_FREE_VAL", "True"]))
+
+
+def test_train_net_planted_symlinks_refused_before_anything_is_written(synthetic_root,
+                                                                       tmp_path):
+    """Issue 21 item 1: links at OUTPUT_DIR/config.yaml (overwritten), log.txt and metrics.json
+    (appended) made train_net write outside its folder."""
+    out, victims = tmp_path / "out", {}
+    out.mkdir()
+    for name in ("config.yaml", "log.txt", "metrics.json"):
+        victims[name] = tmp_path / f"victim_{name}"
+        victims[name].write_text("keep")
+        os.symlink(victims[name], out / name)
+        opts = _tiny(synthetic_root, tmp_path, out, max_iter=1)
+        rc, last, err = _cli("mvccl", opts)
+        assert rc == 1 and last.startswith(f"error: refusing to write {out / name}: it is a "
+                                           "symbolic link"), err[-2000:]
+        assert "Traceback" not in err
+        assert all(v.read_text() == "keep" for v in victims.values())
+        os.unlink(out / name)
+    (out / ".lock").unlink()  # the refused runs above left the (empty, released) lock file
+    os.symlink(tmp_path / "victim_lock", out / ".lock")
+    rc, last, err = _cli("mvccl", _tiny(synthetic_root, tmp_path, out, max_iter=1))
+    assert rc == 1 and last.startswith(f"error: refusing to write {out / '.lock'}: it is a "
+                                       "symbolic link") and not (tmp_path / "victim_lock").exists()

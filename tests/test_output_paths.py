@@ -30,7 +30,11 @@ def test_planted_symlink_in_output_is_refused(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     os.symlink(tmp_path / "elsewhere.png", out / "img.png")
-    with pytest.raises(ValueError, match="outside the output folder"):
+    with pytest.raises(ValueError, match="it is a symbolic link"):
+        safe_output_path(out, "img", ".png")
+    os.unlink(out / "img.png")
+    os.symlink(out / "other.png", out / "img.png")  # a link inside the folder: refused too
+    with pytest.raises(ValueError, match="it is a symbolic link"):
         safe_output_path(out, "img", ".png")
 
 
@@ -73,3 +77,103 @@ def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_pa
     assert not victim.exists()
     pngs = list(out.glob("*.png"))
     assert len(pngs) == len(hostile)  # one overlay per image, none lost to a name clash
+
+
+def _tiny_predictor(tmp_path):
+    from detectron2.modeling import build_model
+
+    from braixdet.engine.checkpoint import export_model_only
+    from braixdet.engine.setup import build_cfg
+
+    cfg_file = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
+    cfg = build_cfg(cfg_file, ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "",
+                               "MODEL.BRAIXDET.PRETRAINED", "", *SIZE])
+    weights = str(tmp_path / "w.pth")
+    export_model_only(build_model(cfg), weights)
+    return cfg_file, weights
+
+
+def _one_exam(synthetic_root, tmp_path):
+    """Input folder with the 4 images of one test exam; returns (folder, their UIDs)."""
+    import shutil
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    rows = [r for r in synthetic_root.summary["truth"] if r["split"] == "test"][:4]
+    uids = []
+    for i, rec in enumerate(rows):
+        src = os.path.join(synthetic_root.root, rec["path"])
+        shutil.copy(src, inp / f"{i}.dcm")
+        uids.append(str(pydicom.dcmread(src, stop_before_pixels=True).SOPInstanceUID))
+    return inp, uids
+
+
+def test_predict_planted_symlinks_never_followed_run_completes(synthetic_root, tmp_path):
+    """Issue 21 item 1: a symlinked <uid>.png is one bad-input line (the other overlays and
+    predictions.json are written); a symlinked predictions.json / report.json is replaced by
+    the real file; no link target is ever written."""
+    import json
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import predict
+
+    inp, uids = _one_exam(synthetic_root, tmp_path)
+    cfg_file, weights = _tiny_predictor(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {name: tmp_path / f"victim_{name}" for name in
+               (f"{uids[0]}.png", "predictions.json", "report.json")}
+    for name, victim in victims.items():
+        victim.write_text("keep")
+        os.symlink(victim, out / name)
+    os.symlink(tmp_path / "dangling.png", out / f"{uids[1]}.png")
+    predict.main(["--config-file", cfg_file, "--weights", weights, "--input", str(inp),
+                  "--out", str(out), "--overlay-thresh", "0.0",
+                  "MODEL.BRAIXDET.PRETRAINED", "", *SIZE])
+    assert all(v.read_text() == "keep" for v in victims.values())
+    assert not (tmp_path / "dangling.png").exists()
+    preds = json.loads((out / "predictions.json").read_text())
+    assert not (out / "predictions.json").is_symlink()
+    assert len(preds["images"]) == len(uids) and preds["report"] == {"refused_output": 2}
+    report = json.loads((out / "report.json").read_text())
+    refused = sorted(os.path.basename(e["path"]) for e in report["errors"])
+    assert refused == sorted(f"{u}.png" for u in uids[:2]), report
+    assert all(not (out / f"{u}.png").is_symlink() and (out / f"{u}.png").stat().st_size > 100
+               for u in uids[2:])
+
+
+def test_predict_refusals_are_one_line_without_traceback(synthetic_root, tmp_path):
+    """Issue 21 item 9: a second predict.py on a busy --out and a crafted pickle checkpoint
+    each end with exit 1 and one ``error:`` line, no traceback."""
+    import subprocess
+
+    import torch
+    from _train_helpers import PickledCode
+
+    from braixdet.engine.output_lock import acquire_output_lock
+
+    inp, _ = _one_exam(synthetic_root, tmp_path)
+    cfg_file = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
+    crafted = tmp_path / "crafted.pth"
+    torch.save({"model": {}, "x": PickledCode(str(tmp_path / "pwned"))}, crafted)
+    busy = tmp_path / "busy"
+
+    def run(out, weights):
+        cmd = [sys.executable, os.path.join(REPO, "tools", "predict.py"), "--config-file",
+               cfg_file, "--weights", str(weights), "--input", str(inp), "--out", str(out),
+               "MODEL.BRAIXDET.PRETRAINED", "", *SIZE]
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return p.returncode, (p.stdout + p.stderr).strip()
+
+    with acquire_output_lock(busy, tool="test"):
+        rc, text = run(busy, crafted)
+    assert rc == 1 and "Traceback" not in text, text[-2000:]
+    assert text.splitlines()[-1].startswith(f"error: OUTPUT_DIR {busy} is in use by another "
+                                            f"run (pid {os.getpid()}"), text[-2000:]
+    rc, text = run(tmp_path / "free", crafted)
+    assert rc == 1 and "Traceback" not in text, text[-2000:]
+    assert text.splitlines()[-1] == (
+        f"error: refusing to load {crafted}: it contains Python objects other than tensors and "
+        "plain values (weights_only)"), text[-2000:]
+    assert not (tmp_path / "pwned").exists()

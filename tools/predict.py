@@ -15,6 +15,7 @@ deleted at the end.
 import argparse
 import logging
 import os
+import sys
 
 from detectron2.utils.logger import setup_logger
 from tqdm import tqdm
@@ -23,9 +24,10 @@ from braixdet.data.dicom import read_dicom_image
 from braixdet.data.report import BadInputError, BadInputReport
 from braixdet.engine import ExamPredictor
 from braixdet.engine.output_lock import acquire_output_lock
+from braixdet.engine.preflight import run_tool
 from braixdet.engine.setup import build_cfg
 from braixdet.utils import safe_output_path
-from braixdet.utils.io import atomic_write_json
+from braixdet.utils.io import OutputPathRefused, atomic_write_json
 
 logger = logging.getLogger("braixdet.predict")
 
@@ -91,6 +93,8 @@ def _predict(args, cfg):
                         write_overlay(pred, args.out, args.overlay_thresh, allow_fp)
                     except BadInputError as e:  # e.g. the file vanished after prediction
                         report.add(e)
+                    except OutputPathRefused as e:  # a planted symlink: this file only
+                        report.add(BadInputError(e.path, "refused_output", e.reason))
     atomic_write_json(os.path.join(args.out, "predictions.json"),
                       {"images": records, "report": report.to_dict()["counts"]}, indent=1)
     report.save(os.path.join(args.out, "report.json"))
@@ -100,4 +104,4 @@ def _predict(args, cfg):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))  # a refusal (busy --out, crafted checkpoint) is one error line

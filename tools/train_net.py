@@ -26,7 +26,12 @@ from detectron2.utils.logger import setup_logger
 from braixdet.engine import trainer_class
 from braixdet.engine.output_lock import acquire_output_lock
 from braixdet.engine.preflight import check_before_training, check_disk_space, user_error_line
-from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
+from braixdet.engine.setup import (
+    build_cfg,
+    check_output_dir_links,
+    load_inference_weights,
+    register_and_assign_datasets,
+)
 
 _LOCKS = []  # OUTPUT_DIR locks taken by this process (released by cli, else at exit)
 _OUTPUT_DIRS = []
@@ -38,6 +43,7 @@ def setup(args):
     if comm.is_main_process() and cfg.OUTPUT_DIR:
         # first: a second run on this OUTPUT_DIR stops here, before any log or checkpoint
         _LOCKS.append(acquire_output_lock(cfg.OUTPUT_DIR))
+        check_output_dir_links(cfg.OUTPUT_DIR)  # before detectron2 writes log.txt, config.yaml
     comm.synchronize()  # the other ranks write (log.txt.rankN) only once rank 0 holds it
     register_and_assign_datasets(cfg)
     cfg.freeze()

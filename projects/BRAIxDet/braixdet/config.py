@@ -95,6 +95,9 @@ def _add_dataset_config(cfg):
     d.RATIO = "1/8"  # partially labelled ratio of annotated images kept as boxes
     d.SEED = 0  # split seed: same seed -> same split everywhere
     d.VAL_FRACTION = 0.1  # patient-wise train/val split (val: fully annotated images only)
+    # A validation split without a lesion has no AP/AUC to select a model or drive the plateau
+    # schedule: refused before training unless this is True (then the last model is exported)
+    d.ALLOW_LESION_FREE_VAL = False
     # detection test set: "full" = the fully annotated test images (paper); "full+negatives"
     # also scores weak label-0 images as lesion-free (weak cancers are never scored)
     d.TEST_IMAGES = "full"

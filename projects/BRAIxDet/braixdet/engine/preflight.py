@@ -30,7 +30,7 @@ import tempfile
 from ..utils.modules import unwrap
 
 __all__ = ["PreflightError", "check_before_training", "check_disk_space",
-           "checkpoint_size_estimate", "user_error_line"]
+           "checkpoint_size_estimate", "run_tool", "user_error_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,23 @@ def _check_datasets(cfg, eval_only):
                 elif meta.get("report_path", None):
                     hint = f"; see the bad-input report {meta.report_path}"
                 raise PreflightError(f"{key}: dataset {name!r} is empty{hint}")
+            if MetadataCatalog.get(name).get("role", None) == "val":
+                _check_val_has_lesions(cfg, key, name, DatasetCatalog.get(name))
+
+
+def _check_val_has_lesions(cfg, key, name, dicts):
+    """A lesion-free validation split gives AP/AUC NaN: no best model, no plateau signal."""
+    if cfg.DATASETS.BRAIXDET.get("ALLOW_LESION_FREE_VAL", False):
+        return
+    if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
+        has = any(d.get("label") == 1 for d in dicts)
+    else:
+        has = any(d.get("annotations") for d in dicts)
+    if not has:
+        raise PreflightError(
+            f"{key}: validation dataset {name!r} ({len(dicts)} images) has no lesion, so its "
+            "AP/AUC is undefined; raise DATASETS.BRAIXDET.VAL_FRACTION, use another "
+            "DATASETS.BRAIXDET.SEED, or set DATASETS.BRAIXDET.ALLOW_LESION_FREE_VAL True")
 
 
 def check_before_training(cfg, resume=False, eval_only=False):
@@ -193,9 +210,17 @@ def check_disk_space(cfg, trainer):
 
 
 # -- the last line of a failed tool ----------------------------------------------------------------
-_KNOWN = ("PreflightError", "OutputDirInUseError", "CheckpointRefusedError",
-          "CheckpointLoadError", "CheckpointWriteError", "CheckpointContentError",
-          "BadInputError", "FloatingPointError")
+def _known():
+    """Our one-line errors: the message already names a cause a user can act on."""
+    from ..data.report import BadInputError
+    from ..utils.io import OutputPathRefused, OutputWriteError
+    from .checkpoint import CheckpointContentError, CheckpointLoadError, CheckpointRefusedError
+    from .output_lock import OutputDirInUseError
+    from .validate import ConfigValueError
+
+    return (PreflightError, OutputDirInUseError, CheckpointRefusedError, CheckpointLoadError,
+            OutputWriteError, CheckpointContentError, BadInputError, FloatingPointError,
+            OutputPathRefused, ConfigValueError)
 
 
 def _first_line(text):
@@ -210,21 +235,42 @@ def user_error_line(exc):
     inputs, a diverging loss, a missing file, a bad config key); otherwise the line names the
     exception type and the caller should keep the traceback somewhere the user can find it.
     """
-    name = type(exc).__name__
-    if name in ("ProcessRaisedException", "ProcessExitedException"):  # torch.multiprocessing
+    try:  # torch.multiprocessing: a worker's exception arrives as text (its traceback)
+        from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+    except ImportError:  # pragma: no cover - older torch
+        ProcessExitedException = ProcessRaisedException = ()
+    known = _known()
+    if isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
         text = str(exc).strip()
-        last = text.splitlines()[-1].strip() if text else name
+        last = text.splitlines()[-1].strip() if text else type(exc).__name__
         cls, _, msg = last.partition(": ")
-        cls = cls.rsplit(".", 1)[-1]
-        if msg and cls in _KNOWN:
+        if msg and cls.rsplit(".", 1)[-1] in {k.__name__ for k in known}:
             return f"error: {msg}", True
         return f"error: a training process failed: {last}", False
-    if name in _KNOWN:
+    if isinstance(exc, known):
         return f"error: {_first_line(exc)}", True
     if isinstance(exc, OSError) and exc.filename:
-        return f"error: {exc.strerror or name}: {exc.filename}", True
+        return f"error: {exc.strerror or type(exc).__name__}: {exc.filename}", True
     if isinstance(exc, FileNotFoundError):
         return f"error: {_first_line(exc)}", True
     if isinstance(exc, KeyError) and "config key" in str(exc):
         return f"error: config: {exc.args[0]}", True
-    return f"error: unexpected {name}: {_first_line(exc)}", False
+    return f"error: unexpected {type(exc).__name__}: {_first_line(exc)}", False
+
+
+def run_tool(main, argv=None):
+    """Exit status of ``main(argv)``: 0, or 1 after printing its ``error: ...`` line last on
+    stderr (the traceback too, before it, only when the cause is not one of ours)."""
+    import sys
+    import traceback
+
+    try:
+        main(argv)
+    except Exception as e:  # noqa: BLE001 - every failure ends with one actionable line
+        line, known = user_error_line(e)
+        sys.stdout.flush()
+        if not known:
+            sys.stderr.write(traceback.format_exc())
+        sys.stderr.write(line + "\n")
+        return 1
+    return 0

@@ -5,7 +5,9 @@ import os
 from detectron2.config import get_cfg
 
 from ..config import add_braixdet_config, check_supported_keys
+from ..utils.io import refuse_links
 from .checkpoint import safe_torch_load
+from .validate import ConfigValueError, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +18,19 @@ def build_cfg(config_file="", opts=()):
     if config_file:
         cfg.merge_from_file(config_file)
     cfg.merge_from_list(list(opts))
-    return check_supported_keys(cfg)
+    try:
+        check_supported_keys(cfg)
+    except ValueError as e:  # one line, like every other refused value
+        raise ConfigValueError(str(e).split(" ")[0], None, "", message=str(e)) from None
+    return validate_config(cfg)
+
+
+def check_output_dir_links(output_dir):
+    """Refuse a symbolic link among OUTPUT_DIR's entries (OutputPathRefused, one line) before
+    detectron2 opens config.yaml, log.txt and metrics.json there without O_NOFOLLOW: a planted
+    link would make it overwrite or append to a file outside the folder. Call after the lock."""
+    if output_dir:
+        refuse_links(output_dir)
 
 
 def register_and_assign_datasets(cfg):

@@ -6,14 +6,60 @@ fails (full disk, I/O error) removes its temporary file and raises ``OutputWrite
 ``str`` is one line a user can act on (``no space left on device while writing X (free: 12 MB);
 ...``): torch.save hides the errno behind "inline_container ... unexpected pos", so the first
 OSError of the underlying file is recorded and reported instead.
+
+Nothing we write follows a symbolic link out of its folder: ``atomic_write`` creates its temp
+file with O_EXCL and ``os.replace`` replaces a link planted at the target by the real file (the
+link's target is untouched; logged), so a long run still completes; files that are appended to
+are opened with ``open_no_follow`` (O_NOFOLLOW: ``OutputPathRefused``, one line);
+``refuse_links(folder)`` checks a folder whose files others (detectron2's log and metrics
+writers) will open without O_NOFOLLOW.
 """
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
 
-__all__ = ["OutputWriteError", "atomic_write", "atomic_write_bytes", "atomic_write_json"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["OutputPathRefused", "OutputWriteError", "atomic_write", "atomic_write_bytes",
+           "atomic_write_json", "open_no_follow", "refuse_link", "refuse_links"]
+
+
+class OutputPathRefused(ValueError):
+    """A file we would write is a symbolic link or resolves outside its folder. One-line ``str``."""
+
+    def __init__(self, path, reason):
+        self.path, self.reason = str(path), reason
+        super().__init__(f"refusing to write {self.path}: {reason}")
+
+
+def refuse_link(path):
+    """OutputPathRefused when ``path`` is a symbolic link (dangling or not)."""
+    if os.path.islink(path):
+        raise OutputPathRefused(path, "it is a symbolic link (a planted link would redirect the "
+                                      "write outside the output folder); remove it")
+
+
+def refuse_links(folder):
+    """OutputPathRefused for the first symbolic link among ``folder``'s entries (files and
+    sub-folders we write, e.g. log.txt, metrics.json, config.yaml, inference/)."""
+    if os.path.isdir(folder):
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            refuse_link(entry.path)
+
+
+def open_no_follow(path, mode="a"):
+    """``open(path, mode)`` for writing ("w"/"a", text or binary) that refuses a final symlink."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+    return os.fdopen(fd, mode)
 
 
 class OutputWriteError(OSError):
@@ -111,6 +157,9 @@ def atomic_write(path, write_fn, mode="wb", remove_stale=False, error_cls=Output
     """
     dirname = os.path.dirname(os.path.abspath(path))
     os.makedirs(dirname, exist_ok=True)
+    if os.path.islink(path):
+        logger.warning("%s was a symbolic link: replaced by the file, its target left untouched",
+                       path)
     if remove_stale:
         _remove_stale_tmp(dirname, os.path.basename(path))
     fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f".{os.path.basename(path)}.", suffix=".tmp")

@@ -9,6 +9,8 @@ import hashlib
 import os
 import re
 
+from .io import OutputPathRefused, refuse_link
+
 __all__ = ["safe_file_name", "safe_output_path"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -26,9 +28,11 @@ def safe_file_name(value, suffix: str = "") -> str:
 
 
 def safe_output_path(out_dir, value, suffix: str = "") -> str:
-    """``out_dir/<safe_file_name(value)>``, checked to resolve inside ``out_dir``."""
+    """``out_dir/<safe_file_name(value)>``; ``OutputPathRefused`` (a ValueError) when that is a
+    symbolic link (e.g. planted in the output folder) or resolves outside ``out_dir``."""
     root = os.path.realpath(out_dir)
-    path = os.path.realpath(os.path.join(root, safe_file_name(value, suffix)))
-    if os.path.dirname(path) != root:  # e.g. a symlink planted in the output folder
-        raise ValueError(f"refusing to write {path!r}: outside the output folder {root!r}")
+    path = os.path.join(root, safe_file_name(value, suffix))
+    refuse_link(path)
+    if os.path.dirname(os.path.realpath(path)) != root:
+        raise OutputPathRefused(path, f"outside the output folder {root}")
     return path
