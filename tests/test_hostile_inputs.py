@@ -97,6 +97,34 @@ def test_valid_cache_entry_is_not_rebuilt(tmp_path):
     assert cache.rebuilt == 0
 
 
+@pytest.mark.parametrize("fmt", ["npy", "png"])
+def test_foreign_cache_entry_copied_over_is_rebuilt(tmp_path, caplog, fmt):
+    """Issue 21 item 7: another image's complete, self-consistent entry (image + sidecar)
+    copied over this image's entry was used. Now the sidecar's source (path, size, mtime,
+    side) must match the DICOM read: the entry is rebuilt."""
+    import shutil
+
+    from braixdet.data.cache import CanonicalCache
+    from braixdet.data.dicom import write_dicom
+
+    a = _dicom(tmp_path / "a.dcm")
+    b = write_dicom(tmp_path / "b.dcm", np.full((300, 240), 4000, np.uint16), bits_stored=12,
+                    ImageLaterality="L")
+    cache = CanonicalCache(tmp_path / "cache", PARAMS, fmt=fmt)
+    img_a, _ = cache.get(a, "L")
+    img_b, _ = cache.get(b, "L")
+    assert not np.array_equal(img_a, img_b)
+    stem_a, stem_b = cache.entry_path(a, "L"), cache.entry_path(b, "L")
+    for ext in ("." + fmt, ".json"):
+        shutil.copyfile(stem_b + ext, stem_a + ext)
+    reader = CanonicalCache(tmp_path / "cache", PARAMS, fmt=fmt)
+    with caplog.at_level(logging.WARNING, logger="braixdet.data.cache"):
+        got, _ = reader.get(a, "L")
+    assert np.array_equal(got, img_a) and reader.rebuilt == 1
+    assert dict(reader.rebuilt_reasons) == {"foreign entry": 1}
+    assert np.array_equal(reader.get(a, "L")[0], img_a) and reader.rebuilt == 1  # valid again
+
+
 # ------------------------------------------------------------------------------ hostile CSV cells
 _HOSTILE_BOXES = {
     "400_digit_number": json.dumps([[1, 2, 3, 4]]).replace("3", "9" * 400),

@@ -4,9 +4,11 @@ Layout: ``<cache_dir>/<params.key()>/<h[:2]>/<h>.npy`` (uint16 array; or ``.png`
 ``fmt="png"``: about 3x smaller on disk, but decoding it makes a cache hit ~10x slower than
 reading the raw array, which is why ``npy`` is the default) + ``<h>.json`` (transform and
 preprocessing info), ``h = sha1(abs path | size | mtime_ns | laterality)``, so an edited or
-replaced file is recomputed. Writes are atomic (temp file + ``os.replace``): concurrent data
-loader workers may compute the same entry; the last rename wins and readers never see partial
-files. Nothing is ever written next to the input.
+replaced file is recomputed; the sidecar records that source (and the parameter key) and a
+read checks both, so another image's entry copied over this one is rebuilt, never used. Writes
+are atomic (temp file + ``os.replace``): concurrent data loader workers may compute the same
+entry; the last rename wins and readers never see partial files. Nothing is ever written next
+to the input.
 
 Every read is validated: the JSON sidecar's structure, the image's header, size, shape, dtype and
 a CRC-32 of its pixel data (stored in the sidecar when the entry is written). An entry that fails
@@ -75,11 +77,19 @@ class CanonicalCache:
         self.rebuilt = 0  # invalid entries found and rebuilt by this instance (this process)
         self.rebuilt_reasons = collections.Counter()
 
-    def entry_path(self, file_name, laterality=None):
-        """Path stem (no extension) of the cache entry of this file's current version."""
+    @staticmethod
+    def source_of(file_name, laterality=None):
+        """What an entry is bound to: the DICOM's absolute path, size, mtime and the laterality
+        it was canonicalised for (recorded in the sidecar and checked on every read)."""
         path = os.path.abspath(os.fspath(file_name))
         st = os.stat(path)  # FileNotFoundError is handled by the caller (missing_file)
-        ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|{(laterality or '').upper()}"
+        return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "laterality": (laterality or "").upper()}
+
+    def entry_path(self, file_name, laterality=None, source=None):
+        """Path stem (no extension) of the cache entry of this file's current version."""
+        src = source or self.source_of(file_name, laterality)
+        ident = f"{src['path']}|{src['size']}|{src['mtime_ns']}|{src['laterality']}"
         h = hashlib.sha1(ident.encode("utf-8")).hexdigest()
         return os.path.join(self.root, h[:2], h)
 
@@ -91,12 +101,13 @@ class CanonicalCache:
     def get_with_info(self, file_name, laterality=None):
         """Like ``get`` plus the preprocessing ``info`` dict (flip, crop, disagreement, ...)."""
         try:
-            stem = self.entry_path(file_name, laterality)
+            source = self.source_of(file_name, laterality)
+            stem = self.entry_path(file_name, laterality, source)
         except OSError:
-            stem = None  # let the reader raise the proper BadInputError
+            source = stem = None  # let the reader raise the proper BadInputError
         if stem is not None:
             try:
-                hit = self._load(stem)
+                hit = self._load(stem, source)
             except InvalidCacheEntry as e:
                 self.rebuilt += 1
                 self.rebuilt_reasons[str(e).split(":")[0]] += 1
@@ -108,18 +119,19 @@ class CanonicalCache:
         img, meta = read_dicom_image(file_name, allow_for_processing=self.allow_for_processing)
         canonical, tfm, info = canonicalize(img, laterality or meta.laterality, self.params)
         q = np.round(canonical * _SCALE).astype(np.uint16)
-        record = {"transform": transform_to_dict(tfm), "info": info,
+        record = {"source": source or self.source_of(file_name, laterality),
+                  "transform": transform_to_dict(tfm), "info": info,
                   "height": meta.rows, "width": meta.cols, "params": self.params.key(),
                   "image": {"format": self.fmt, "shape": list(q.shape), "dtype": "uint16",
                             "crc32": _checksum(q)}}
-        self._store(stem or self.entry_path(file_name, laterality), q, record)
+        self._store(stem or self.entry_path(file_name, laterality, record["source"]), q, record)
         # Return the quantised image so cold and warm reads are bit-identical.
         return _to_float(q), tfm, info
 
     # -- reading --------------------------------------------------------------------------------
-    def _load(self, stem):
-        """(image, transform, info) of a valid entry; None when there is no entry; raises
-        InvalidCacheEntry (reason) for anything else."""
+    def _load(self, stem, source):
+        """(image, transform, info) of a valid entry made from ``source``; None when there is no
+        entry; raises InvalidCacheEntry (reason) for anything else."""
         has_json, has_img = os.path.exists(stem + ".json"), os.path.exists(stem + self.ext)
         if not (has_json or has_img):
             return None
@@ -127,6 +139,8 @@ class CanonicalCache:
             raise InvalidCacheEntry("incomplete entry: " + ("no image" if has_json else
                                                             "no JSON sidecar"))
         record, tfm = self._read_sidecar(stem + ".json")
+        if record.get("source") != source:  # e.g. another image's entry copied over this one
+            raise InvalidCacheEntry("foreign entry: made from another file, version or side")
         expect = record["image"]
         q = self._read_npy(stem + ".npy") if self.ext == ".npy" else self._read_png(stem + ".png")
         if list(q.shape) != expect["shape"]:
