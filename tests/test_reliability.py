@@ -1,5 +1,6 @@
 """Reliability: SIGKILL + resume, NaN/inf stop, CPU multi-process training, crafted checkpoints,
 read-only dataset folder. Tiny runs (128x64, batch 2, <= 8 iterations)."""
+import json
 import os
 import pickle
 import random
@@ -314,3 +315,61 @@ def test_dataset_folder_never_written(work):
     assert tree_digest(work.root) == work.root_digest
     assert not any(str(p).startswith(os.path.abspath(work.root)) for p in
                    (t.cfg.OUTPUT_DIR, work.splits, work.cache))
+
+
+# ------------------------------------------------------------------------------ GradCAM resume
+def _gradcam_main(synthetic_root, tmp_path, out, extra=()):
+    """tools/gradcam_pseudo_labels.py main() in this process on random classifier weights."""
+    import importlib
+    import sys
+
+    from braixdet.engine.checkpoint import export_model_only
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    tool = importlib.import_module("gradcam_pseudo_labels")
+    opts = tiny_opts(synthetic_root.root, tmp_path / "o", tmp_path / "cache", stage="mvccl",
+                     extra=["MODEL.BRAIXDET.PRETRAINED", "", "INPUT.BRAIXDET.MASK_DOWNSAMPLE",
+                            "2", *extra])
+    weights = tmp_path / "w.pth"
+    if not weights.exists():
+        torch.manual_seed(0)
+        export_model_only(build_model(build_cfg(CONFIGS["mvccl"], opts)), str(weights))
+    return tool.main(["--config-file", CONFIGS["mvccl"], "--weights", str(weights), "--out",
+                      str(out), *opts])
+
+
+def _plant_partial(out, fp, image_id):
+    with open(str(out) + ".partial.jsonl", "w") as f:
+        f.write(json.dumps({"fingerprint": fp}) + "\n")
+        f.write(json.dumps({"image_id": image_id, "boxes": [[1, 2, 3, 4]], "scores": [0.5]})
+                + "\n")
+
+
+def test_gradcam_resume_only_with_the_same_preprocessing(synthetic_root, tmp_path):
+    """Issue 21 item 4: a partial file written with another MASK_MARGIN / MASK_DOWNSAMPLE /
+    CANONICAL_SIZE was merged ("resuming ...: N images already labelled")."""
+    out = tmp_path / "cam.json"
+    first = _gradcam_main(synthetic_root, tmp_path, out)
+    fp, image_id = first["meta"]["fingerprint"], sorted(first["images"])[0]
+    _plant_partial(out, fp, image_id)  # a killed run with the same settings: resumed
+    assert _gradcam_main(synthetic_root, tmp_path, out)["images"][image_id]["boxes"] == \
+        [[1, 2, 3, 4]]
+    for extra in (["INPUT.BRAIXDET.MASK_MARGIN", "0.1"],
+                  ["INPUT.BRAIXDET.MASK_DOWNSAMPLE", "4"]):
+        _plant_partial(out, fp, image_id)
+        res = _gradcam_main(synthetic_root, tmp_path, out, extra)
+        assert res["images"][image_id]["boxes"] != [[1, 2, 3, 4]], extra
+        assert res["meta"]["fingerprint"]["preprocess"] != fp["preprocess"]
+
+
+def test_gradcam_outputs_never_follow_planted_symlinks(synthetic_root, tmp_path):
+    """Issue 21 item 1 for tools/gradcam_pseudo_labels.py: a link at --out is replaced by the
+    file, a link at its .partial.jsonl removed; neither target is written."""
+    out = tmp_path / "cam.json"
+    victim, dangling = tmp_path / "victim", tmp_path / "dangling"
+    victim.write_text("keep")
+    os.symlink(victim, out)
+    os.symlink(dangling, str(out) + ".partial.jsonl")
+    res = _gradcam_main(synthetic_root, tmp_path, out)
+    assert victim.read_text() == "keep" and not dangling.exists()
+    assert not out.is_symlink() and json.loads(out.read_text())["images"] == res["images"]

@@ -231,10 +231,25 @@ def _file_digest(path):
     return h.hexdigest()
 
 
-def fingerprint(weights: str, settings: CamSettings, dataset: str, dicts) -> dict:
-    """What a (partial) output depends on: weights content, settings, dataset and its images."""
-    ids = "\n".join(sorted(str(d["image_id"]) for d in dicts))
+def _image_identity(d):
+    """An image's id and, when it names a file, the file's path, size and mtime."""
+    path = d.get("file_name")
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        st = None
+    return f"{d['image_id']}|{path}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}"
+
+
+def fingerprint(weights: str, settings: CamSettings, dataset: str, dicts, mapper=None) -> dict:
+    """What a (partial) output depends on, i.e. everything that changes its pixels or boxes:
+    weights content, CAM settings (method, layer, τ, area limits, canonical size), the mapper's
+    preprocessing key (version, canonical size, MASK_MARGIN, MASK_DOWNSAMPLE), the dataset and
+    its images (ids and files)."""
+    ids = "\n".join(sorted(_image_identity(d) for d in dicts))
+    params = getattr(mapper, "params", None)
     return {"weights_sha256": _file_digest(weights), "settings": asdict(settings),
+            "preprocess": params.key() if params is not None else None,
             "dataset": dataset, "images_sha256": hashlib.sha256(ids.encode()).hexdigest()}
 
 
@@ -244,6 +259,10 @@ def _jsonable(fp):
 
 def _read_partial(partial, fp):
     """Records of an interrupted run with the same fingerprint; anything else starts fresh."""
+    if os.path.islink(partial):  # planted: the appends below must not follow it
+        logger.warning("%s is a symbolic link: removed, starting fresh", partial)
+        os.remove(partial)
+        return {}
     if not os.path.exists(partial):
         return {}
     done = {}
@@ -276,7 +295,7 @@ def write_cam_boxes(out, model, mapper, dicts, settings: CamSettings, weights: s
     the fingerprint), so a killed run resumes, but only with the same weights, settings and
     images: otherwise it starts fresh and says so.
     """
-    fp = fingerprint(weights, settings, dataset, dicts)
+    fp = fingerprint(weights, settings, dataset, dicts, mapper)
     partial = out + ".partial.jsonl"
     done = _read_partial(partial, fp)
     if not done:
