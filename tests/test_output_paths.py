@@ -177,3 +177,48 @@ def test_predict_refusals_are_one_line_without_traceback(synthetic_root, tmp_pat
         f"error: refusing to load {crafted}: it contains Python objects other than tensors and "
         "plain values (weights_only)"), text[-2000:]
     assert not (tmp_path / "pwned").exists()
+
+
+def test_writer_helpers_never_follow_links(tmp_path):
+    """The helpers every writer uses (the pipeline's results and stage logs included):
+    ``atomic_write_json`` replaces a planted link by the file, ``open_no_follow`` refuses to
+    write or append through one, ``refuse_links`` names the first link of a folder."""
+    from braixdet.utils.io import (
+        OutputPathRefused,
+        atomic_write_json,
+        open_no_follow,
+        refuse_links,
+    )
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / "results.json")
+    atomic_write_json(out / "results.json", {"ok": 1})
+    assert victim.read_text() == "keep" and not (out / "results.json").is_symlink()
+    assert (out / "results.json").read_text() == '{"ok": 1}'
+    for mode in ("w", "a", "ab"):
+        os.symlink(victim, out / f"stage_{mode}.log")
+        with pytest.raises(OutputPathRefused, match="it is a symbolic link"):
+            open_no_follow(out / f"stage_{mode}.log", mode)
+    assert victim.read_text() == "keep"
+    with pytest.raises(OutputPathRefused) as e:
+        refuse_links(out)
+    assert e.value.path == str(out / "stage_a.log")
+    with open_no_follow(out / "real.log", "a") as f:
+        f.write("x")
+    with open_no_follow(out / "real.log", "a") as f:
+        f.write("y")
+    assert (out / "real.log").read_text() == "xy"
+
+
+def test_tool_error_line_is_printed_once_without_traceback(capsys):
+    from braixdet.engine.preflight import ToolError, run_tool
+
+    def stage_failed(argv):
+        raise ToolError("error: DATASETS.BRAIXDET.RATIO = '1/0': allowed: a fraction")
+
+    assert run_tool(stage_failed) == 1
+    err = capsys.readouterr().err
+    assert err == "error: DATASETS.BRAIXDET.RATIO = '1/0': allowed: a fraction\n"

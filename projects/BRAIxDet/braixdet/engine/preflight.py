@@ -29,7 +29,7 @@ import tempfile
 
 from ..utils.modules import unwrap
 
-__all__ = ["PreflightError", "check_before_training", "check_disk_space",
+__all__ = ["PreflightError", "ToolError", "check_before_training", "check_disk_space",
            "checkpoint_size_estimate", "run_tool", "user_error_line"]
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,11 @@ _WEIGHT_SUFFIXES = (".pth", ".pt", ".safetensors", ".bin", ".pkl", ".pyth")
 
 class PreflightError(RuntimeError):
     """A check before training failed; ``str`` is the one-line message."""
+
+
+class ToolError(RuntimeError):
+    """A failure whose ``str`` already is the one line to show, e.g. a pipeline stage's own
+    ``error:`` line (``run_tool`` prints it without a traceback)."""
 
 
 def _is_url(value):
@@ -218,9 +223,9 @@ def _known():
     from .output_lock import OutputDirInUseError
     from .validate import ConfigValueError
 
-    return (PreflightError, OutputDirInUseError, CheckpointRefusedError, CheckpointLoadError,
-            OutputWriteError, CheckpointContentError, BadInputError, FloatingPointError,
-            OutputPathRefused, ConfigValueError)
+    return (PreflightError, ToolError, OutputDirInUseError, CheckpointRefusedError,
+            CheckpointLoadError, OutputWriteError, CheckpointContentError, BadInputError,
+            FloatingPointError, OutputPathRefused, ConfigValueError)
 
 
 def _first_line(text):
@@ -248,7 +253,8 @@ def user_error_line(exc):
             return f"error: {msg}", True
         return f"error: a training process failed: {last}", False
     if isinstance(exc, known):
-        return f"error: {_first_line(exc)}", True
+        line = _first_line(exc)
+        return (line if line.startswith("error: ") else f"error: {line}"), True
     if isinstance(exc, OSError) and exc.filename:
         return f"error: {exc.strerror or type(exc).__name__}: {exc.filename}", True
     if isinstance(exc, FileNotFoundError):
