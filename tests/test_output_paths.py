@@ -206,6 +206,12 @@ def test_writer_helpers_never_follow_links(tmp_path):
     with pytest.raises(OutputPathRefused) as e:
         refuse_links(out)
     assert e.value.path == str(out / "stage_a.log")
+    deep = tmp_path / "deep"
+    (deep / "inference" / "cbis_test").mkdir(parents=True)
+    refuse_links(deep)  # no link: nothing to refuse
+    os.symlink(victim, deep / "inference" / "cbis_test" / "metrics.json")
+    with pytest.raises(OutputPathRefused, match="cbis_test/metrics.json"):
+        refuse_links(deep)
     with open_no_follow(out / "real.log", "a") as f:
         f.write("x")
     with open_no_follow(out / "real.log", "a") as f:

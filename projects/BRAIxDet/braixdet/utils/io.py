@@ -43,11 +43,12 @@ def refuse_link(path):
 
 
 def refuse_links(folder):
-    """OutputPathRefused for the first symbolic link among ``folder``'s entries (files and
-    sub-folders we write, e.g. log.txt, metrics.json, config.yaml, inference/)."""
-    if os.path.isdir(folder):
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-            refuse_link(entry.path)
+    """OutputPathRefused for the first symbolic link below ``folder`` (files and sub-folders we
+    write, e.g. log.txt, metrics.json, config.yaml, inference/<dataset>/...)."""
+    for dirpath, dirnames, filenames in os.walk(folder):  # never descends into a linked folder
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            refuse_link(os.path.join(dirpath, name))
 
 
 def open_no_follow(path, mode="a"):
