@@ -166,8 +166,11 @@ def test_predict_refusals_are_one_line_without_traceback(synthetic_root, tmp_pat
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
         return p.returncode, (p.stdout + p.stderr).strip()
 
-    with acquire_output_lock(busy, tool="test"):
+    lock = acquire_output_lock(busy, tool="test")
+    try:
         rc, text = run(busy, crafted)
+    finally:
+        lock.release()
     assert rc == 1 and "Traceback" not in text, text[-2000:]
     assert text.splitlines()[-1].startswith(f"error: OUTPUT_DIR {busy} is in use by another "
                                             f"run (pid {os.getpid()}"), text[-2000:]
