@@ -222,12 +222,28 @@ def test_writer_helpers_never_follow_links(tmp_path):
     assert (out / "real.log").read_text() == "xy"
 
 
-def test_tool_error_line_is_printed_once_without_traceback(capsys):
-    from braixdet.engine.preflight import ToolError, run_tool
+def test_tool_error_line_is_printed_once_without_traceback(capsys, synthetic_root, tmp_path):
+    """What the pipeline needs to show a stage's own line (issue 21 item 5): train_net's
+    output ends with ``error: KEY = value: allowed: ...``; last_error_line finds it and
+    run_tool prints it (ToolError) without a traceback."""
+    import subprocess
+
+    from _train_helpers import CONFIGS, tiny_opts
+
+    from braixdet.engine.preflight import ToolError, last_error_line, run_tool
+
+    opts = tiny_opts(synthetic_root.root, tmp_path / "o", tmp_path / "c", stage="mvccl",
+                     extra=["DATASETS.BRAIXDET.RATIO", "1/0"])
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "train_net.py"),
+                        "--config-file", CONFIGS["mvccl"], *opts], cwd=REPO, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    line = last_error_line(p.stdout.splitlines())
+    assert p.returncode == 1 and line == ("error: DATASETS.BRAIXDET.RATIO = '1/0': allowed: a "
+                                          "fraction in (0, 1] such as '1/8' or 0.125"), p.stdout
+    assert last_error_line(["error: x", "Traceback ..."]) is None
 
     def stage_failed(argv):
-        raise ToolError("error: DATASETS.BRAIXDET.RATIO = '1/0': allowed: a fraction")
+        raise ToolError(line)
 
     assert run_tool(stage_failed) == 1
-    err = capsys.readouterr().err
-    assert err == "error: DATASETS.BRAIXDET.RATIO = '1/0': allowed: a fraction\n"
+    assert capsys.readouterr().err == line + "\n"

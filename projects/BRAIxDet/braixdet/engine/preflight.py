@@ -30,7 +30,7 @@ import tempfile
 from ..utils.modules import unwrap
 
 __all__ = ["PreflightError", "ToolError", "check_before_training", "check_disk_space",
-           "checkpoint_size_estimate", "run_tool", "user_error_line"]
+           "checkpoint_size_estimate", "last_error_line", "run_tool", "user_error_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,3 +280,12 @@ def run_tool(main, argv=None):
         sys.stderr.write(line + "\n")
         return 1
     return 0
+
+
+def last_error_line(lines):
+    """The ``error: ...`` line a failed tool printed last (e.g. a pipeline stage's train_net),
+    or None: what a caller shows instead of its own traceback (``raise ToolError(line)``)."""
+    for line in reversed(list(lines)):
+        if line.strip():
+            return line.strip() if line.strip().startswith("error: ") else None
+    return None
