@@ -86,6 +86,25 @@ def test_no_stale_names_in_tracked_text_files():
     assert not hits, "stale names (nothing writes these files):\n" + "\n".join(hits)
 
 
+def test_code_points_to_readme_sections_that_exist():
+    """Comments and docstrings that send a reader to README "<section>" name a real heading."""
+    headings = {h.strip().lower() for h in re.findall(
+        r"^#{1,6} (.+)$", _strip_code(_read("README.md")), flags=re.M)}
+    stale = []
+    for rel in _tracked_files():
+        if not rel.endswith((".py", ".yaml", ".cfg", ".toml")) or rel == "tests/test_docs.py":
+            continue
+        path = os.path.join(REPO, rel)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        for name in re.findall(r"README(?:'s)? \"([^\"]+)\"", text):
+            if name.strip().lower() not in headings:
+                stale.append(f'{rel}: README "{name}"')
+    assert not stale, "references to README sections that do not exist:\n" + "\n".join(stale)
+
+
 def test_readme_is_short():
     n = len(_read("README.md").splitlines())
     assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES})"
