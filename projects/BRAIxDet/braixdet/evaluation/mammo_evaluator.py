@@ -13,6 +13,7 @@ from detectron2.utils import comm
 from detectron2.utils.file_io import PathManager
 from detectron2.utils.logger import create_small_table
 
+from .exam_scores import breast_exam_auc, image_score
 from .metrics import average_precision, froc
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,11 @@ class MammoDetectionEvaluator(DatasetEvaluator):
     Predictions: outputs[i]["instances"].pred_boxes in ORIGINAL pixels, .scores.
 
     `evaluate()` returns, on the main process, {"bbox": {"AP20": .., "R@0.25": .., "R@0.5": ..,
-    "R@1": .., "R@2": .., "R@4": ..}} with AP and recalls in PERCENT (like detectron2's COCO
-    evaluator); AP uses the top `max_dets` detections per image (COCO's maxDets), FROC all of
+    "R@1": .., "R@2": .., "R@4": ..}, "screening": {"breast_AUC": .., "exam_AUC": ..}} with AP,
+    recalls and AUCs in PERCENT (like detectron2's COCO evaluator); the AUCs score breasts and
+    exams (dicts' ``exam_id``/``laterality``/``label``) by the max detection score
+    (``evaluation/exam_scores.py``, the scores of predictions.json), NaN with one class. AP uses
+    the top `max_dets` detections per image (COCO's maxDets), FROC all of
     them. Other ranks return {}. With `output_dir`, the main process writes metrics.json,
     froc.csv, froc.png, detections_coco.json and gt_coco.json (COCO formats, category_id 1,
     image ids 1..N in sorted image_id order; "file_name" holds the dataset's image_id, never a
@@ -139,10 +143,20 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         dets = {i: (_fix_inverted(preds[i]["boxes"], "predicted", i), preds[i]["scores"])
                 for i in ids}
         results, curve = self.compute(gts, dets)
+        screening = self.screening(records, dets)
         self._log(results, gts, dets)
+        logger.info("breast/exam malignancy score (max detection score) AUC in %:\n"
+                    + create_small_table(screening))
         if self._output_dir and comm.is_main_process():
-            self._save(results, curve, gts, dets, records)
-        return {"bbox": results}
+            self._save(results, curve, gts, dets, records, screening)
+        return {"bbox": results, "screening": screening}
+
+    @staticmethod
+    def screening(records, dets):
+        """Breast- and exam-level AUC (percent) of the max-detection-score malignancy score."""
+        breast, exam, _, _ = breast_exam_auc(
+            records, {i: image_score(s) for i, (_, s) in dets.items()})
+        return OrderedDict([("breast_AUC", 100.0 * breast), ("exam_AUC", 100.0 * exam)])
 
     def compute(self, gts, dets):
         """Metrics (percent) and the FROC curve dict for numpy GT / detections dicts."""
@@ -164,12 +178,13 @@ class MammoDetectionEvaluator(DatasetEvaluator):
                     "(AP and recall in %):\n" + create_small_table(results))
 
     # ---- files -------------------------------------------------------------------------------
-    def _save(self, results, curve, gts, dets, records):
+    def _save(self, results, curve, gts, dets, records, screening):
         PathManager.mkdirs(self._output_dir)
         coco_id = {i: k + 1 for k, i in enumerate(sorted(gts))}
         meta = {
             "dataset": self._dataset_name,
             "bbox": dict(results),
+            **screening,
             "units": "percent",
             "iou_thresh": self._iou_thresh,
             "center_hit": self._center_hit,
