@@ -1,0 +1,246 @@
+"""The two-stage BRAIxDet pipeline on one dataset and seed, each stage skipped when done.
+
+Stages (each also runnable alone with tools/train_net.py / tools/gradcam_pseudo_labels.py):
+  mvccl                   BRAIxMVCCL classifier pre-training (D_s ∪ D_w, labels only)
+  classifier_single_view  single-view EfficientNet classifier, same data (baseline init)
+  gradcam                 Algorithm 1 pseudo-boxes of the weak cancers (+ their hit rate)
+  one folder per method (METHODS): the detector, its exported model (best on validation) and
+                          its test metrics (AP@0.2, FROC)
+Every row of the paper's ablation (Table 5) is a method; stage-1 models are trained once and
+shared by the rows that need them, as in the paper; a detector starts from its classifier's
+best-on-validation export. A stage is done when its done-marker exists (written last); a
+killed or stopped pipeline re-run continues: finished stages are skipped and training stages
+resume from their last checkpoint.
+"""
+import os
+import sys
+import time
+
+from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
+from .results import (
+    format_classifiers,
+    format_table,
+    read_cam_quality,
+    read_metrics,
+)
+from .stages import is_done, mark_done, read_json, run_stage
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
+TOOLS = os.path.join(REPO, "tools")
+DEFAULT_CONFIGS = os.path.join(REPO, "configs")
+
+
+def add_pipeline_arguments(ap, root_required=True):
+    """The arguments of one pipeline run (tools/run_pipeline.py; run_experiments/run_demo
+    pass theirs through)."""
+    ap.add_argument("--dataset", default="cbis_ddsm",
+                    choices=["cbis_ddsm", "vindr_mammo", "exam_csv"])
+    ap.add_argument("--root", required=root_required, help="dataset root (read only)")
+    ap.add_argument("--csv", default="", help="exam_csv: the CSV file")
+    ap.add_argument("--protocol", default="partial", choices=["partial", "full"])
+    ap.add_argument("--ratio", default="1/8")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="output/pipeline")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="config root: configs (paper sizes) or configs/demo")
+    ap.add_argument("--methods", nargs="+", default=["braixdet"],
+                    choices=[CAM_ONLY, *METHODS], help="rows to produce (default: braixdet)")
+    ap.add_argument("--num-gpus", type=int, default=1)
+    ap.add_argument("--num-machines", type=int, default=1)
+    ap.add_argument("--machine-rank", type=int, default=0)
+    ap.add_argument("--dist-url", default="auto")
+    ap.add_argument("--opts", nargs="*", default=[], help="overrides for every stage")
+    ap.add_argument("--stage1-opts", nargs="*", default=[], help="overrides for stage 1")
+    ap.add_argument("--det-opts", nargs="*", default=[], help="overrides for the detectors")
+    return ap
+
+
+class Pipeline:
+    def __init__(self, args):
+        self.args = args
+        self.out = os.path.abspath(args.out)
+        self.python = sys.executable
+        self.common = [
+            "DATASETS.BRAIXDET.FORMAT", args.dataset, "DATASETS.BRAIXDET.ROOT", args.root,
+            "DATASETS.BRAIXDET.CSV", args.csv, "DATASETS.BRAIXDET.PROTOCOL", args.protocol,
+            "DATASETS.BRAIXDET.RATIO", args.ratio, "DATASETS.BRAIXDET.SEED", str(args.seed),
+            "DATASETS.BRAIXDET.SPLIT_DIR", os.path.join(self.out, "splits"),
+            "INPUT.BRAIXDET.CACHE_DIR", os.path.join(self.out, "cache"), "SEED", str(args.seed),
+        ] + list(args.opts)
+        self.timings = {}
+        self._names = None
+
+    def dir(self, stage):
+        return os.path.join(self.out, stage)
+
+    def config(self, rel):
+        return os.path.join(self.args.configs, rel)
+
+    def run(self, name, cmd):
+        """Run one stage (stages.run_stage); its full output goes to <out>/logs/<name>.log."""
+        t0 = time.time()
+        run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"),
+                  cwd=REPO)
+        self.timings[name] = round(time.time() - t0, 1)
+
+    def tool(self, name):
+        return [self.python, os.path.join(TOOLS, name)]
+
+    def launch_args(self):
+        a = self.args
+        return ["--num-gpus", str(a.num_gpus), "--num-machines", str(a.num_machines),
+                "--machine-rank", str(a.machine_rank), "--dist-url", a.dist_url]
+
+    def names(self):
+        """{role: registered dataset name} (data/register.py), from the stage-1 config with
+        this run's overrides."""
+        if self._names is None:
+            from ..data.register import dataset_names
+            from ..engine.setup import build_cfg
+
+            b = build_cfg(self.config(STAGE1["mvccl"]),
+                          [*self.common, *self.args.stage1_opts]).DATASETS.BRAIXDET
+            self._names = dataset_names(b.NAME or b.FORMAT, b.PROTOCOL, b.RATIO, b.SEED,
+                                        b.get("TEST_IMAGES", "full"))
+        return self._names
+
+    def test_name(self):
+        return self.names()["test"]
+
+    def skipped(self, name, folder):
+        if is_done(folder):
+            print(f"=== [{name}] skipped: {folder} is done")
+            return True
+        return False
+
+    def train(self, name, config, opts):
+        """Train one stage in <out>/<name>; its done-marker is written after training and
+        the final evaluation ended. Returns the folder."""
+        out = self.dir(name)
+        if not self.skipped(name, out):
+            # --resume: a re-run after a crash or a stop continues from <out>/last_checkpoint
+            self.run(name, [*self.tool("train_net.py"), "--config-file", config, "--resume",
+                            *self.launch_args(), *self.common, "OUTPUT_DIR", out, *opts])
+            mark_done(out, stage=name, config=config)
+        return out
+
+    def stage1(self, name):
+        """Stage-1 classifier; returns the model stage 2 starts from: the best-on-validation
+        export when the trainer wrote one (paper §4.3 model selection), else the last."""
+        from ..engine.trainers import EXPORT_NAME
+
+        out = self.train(name, self.config(STAGE1[name]), self.args.stage1_opts)
+        best = os.path.join(out, EXPORT_NAME)
+        return best if os.path.exists(best) else os.path.join(out, "model_final.pth")
+
+    def gradcam(self, mvccl_weights):
+        out = os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
+        folder = self.dir("gradcam")
+        if not self.skipped("gradcam", folder):
+            self.run("gradcam", [*self.tool("gradcam_pseudo_labels.py"),
+                                 "--config-file", self.config(STAGE1["mvccl"]), "--weights",
+                                 mvccl_weights, "--out", out, *self.common, "OUTPUT_DIR",
+                                 self.dir("mvccl"), *self.args.stage1_opts])
+            mark_done(folder, stage="gradcam", output=out)
+        return out
+
+    def cam_settings(self):
+        """(METHOD, TARGET_LAYER) the stage-1 config uses for Algorithm 1."""
+        from ..engine.setup import build_cfg
+
+        c = build_cfg(self.config(STAGE1["mvccl"]), self.args.stage1_opts).MODEL.BRAIXDET.CAM
+        return c.METHOD, c.TARGET_LAYER
+
+    def cam_only(self, mvccl_weights):
+        """CAM-only rows: the configured Algorithm 1 first, then the paper's GradCAM at res5
+        and LayerCAM at res4 where the configuration is neither, so both are always shown."""
+        rows = {}
+        for method, layer in dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]):
+            name = f"cam_only_{method}_{layer}"
+            out = self.dir(name)
+            if not os.path.exists(os.path.join(out, "metrics.json")):
+                self.run(name, [
+                    *self.tool("gradcam_pseudo_labels.py"),
+                    "--config-file", self.config(STAGE1["mvccl"]), "--weights", mvccl_weights,
+                    "--evaluate", self.test_name(), "--eval-out", out, *self.common,
+                    "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts,
+                    "MODEL.BRAIXDET.CAM.METHOD", method, "MODEL.BRAIXDET.CAM.TARGET_LAYER",
+                    layer])
+            paper = " (paper)" if (method, layer) == PAPER_CAM else ""
+            label = f"CAM only ({'GradCAM' if method == 'gradcam' else 'LayerCAM'} {layer}" \
+                    f"{paper})"
+            rows[label] = read_metrics(out)
+        return rows
+
+    def detector(self, key, stage1_weights, cam_json):
+        """Train method ``key`` (METHODS); returns the exported model's test metrics."""
+        from ..engine.trainers import EXPORT_NAME
+
+        m = METHODS[key]
+        opts = ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", stage1_weights[m.init], *m.opts]
+        if m.cam:
+            opts += ["SSL.CAM_JSON", cam_json]
+        if m.teacher_from:
+            opts += [m.teacher_key, os.path.join(self.dir(m.teacher_from), EXPORT_NAME)]
+        if self.args.protocol == "full" and self.uses_ssl(m):
+            # our choice: D_w is empty, so there is nothing to pseudo-label; the method trains
+            # as its supervised detector on D_s (all boxes), as in the paper's "fully
+            # labelled" rows
+            print(f"=== [{key}] full protocol: no weakly labelled images, trained without SSL",
+                  flush=True)
+            opts += ["SSL.ENABLED", "False", "SSL.CAM_JSON", ""]
+        self.train(key, self.config(m.config), [*opts, *self.args.det_opts])
+        # the trainer leaves the exported (best-validation) model's test metrics here
+        return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
+
+    def uses_ssl(self, method):
+        from ..engine.setup import build_cfg
+
+        return bool(build_cfg(self.config(method.config), list(method.opts)).SSL.ENABLED)
+
+    def classifier_metrics(self, name):
+        """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
+        out = {}
+        folder = os.path.join(self.dir(name), "inference", "model")
+        names = self.names()
+        for split, ds in (("val", names["val"]), ("test", names["test_cls"])):
+            path = os.path.join(folder, ds, "classification_metrics.json")
+            if os.path.exists(path):
+                out[split] = read_json(path)["classification"]
+        return out
+
+    def run_all(self):
+        a = self.args
+        keys = method_order(a.methods)
+        needed = {METHODS[k].init for k in keys}
+        uses_cam = any(METHODS[k].cam for k in keys)
+        if CAM_ONLY in a.methods or uses_cam:
+            needed.add("mvccl")
+        if a.protocol == "full" and uses_cam:
+            # our choice: no weak images, so no pseudo-boxes; BRAIxDet trains on D_s alone
+            print("=== [gradcam] skipped: the full protocol has no weakly labelled images; "
+                  "BRAIxDet trains as its supervised multi-view detector on D_s", flush=True)
+            uses_cam = False
+        stage1 = {name: self.stage1(name) for name in STAGE1 if name in needed}
+        cam_json = self.gradcam(stage1["mvccl"]) if uses_cam else ""
+        results = {}
+        if CAM_ONLY in a.methods:
+            results.update(self.cam_only(stage1["mvccl"]))
+        for key in keys:
+            metrics = self.detector(key, stage1, cam_json)
+            if key in a.methods:
+                results[METHODS[key].label] = metrics
+        summary = {"results": results,
+                   "classifiers": {n: self.classifier_metrics(n) for n in stage1},
+                   "stage1_models": stage1,
+                   "cam_quality": read_cam_quality(cam_json),
+                   "timings_s": self.timings,
+                   "protocol": {"dataset": a.dataset, "protocol": a.protocol, "ratio": a.ratio,
+                                "seed": a.seed}}
+        from ..utils.io import atomic_write_json
+
+        atomic_write_json(os.path.join(self.out, "results.json"), summary, indent=1)
+        print(format_table(results))
+        print(format_classifiers(summary["classifiers"]))
+        return summary

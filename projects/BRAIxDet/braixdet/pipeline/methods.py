@@ -1,0 +1,67 @@
+"""The rows a pipeline run can produce (paper Table 5 and the competitors), one entry each.
+
+Adding a method is adding an entry to ``METHODS``: the pipeline trains the stage-1 model it
+starts from (``init``), the GradCAM pseudo-boxes when ``cam`` is set, and first the method named
+by ``teacher_from`` when the entry needs another method's exported model (e.g. STAC labels D_w
+with a first detector), passing that model's path as the config key ``teacher_key``.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+# stage-1 classifiers: name -> config (relative to the config root: configs/ or configs/demo/)
+STAGE1 = {"mvccl": "MVCCL/mvccl.yaml",
+          "classifier_single_view": "MVCCL/single_view_classifier.yaml"}
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str  # the row of the results table
+    config: str  # relative to the config root (configs/ or configs/demo/)
+    init: str  # the stage-1 model it starts from: a key of STAGE1
+    cam: bool = False  # reads the GradCAM pseudo-boxes (Algorithm 2): SSL.CAM_JSON
+    teacher_from: Optional[str] = None  # a key of METHODS whose exported model this one needs
+    teacher_key: str = ""  # the config key that receives that model's path
+    opts: tuple = ()  # fixed config overrides of this row (KEY, VALUE, ...)
+
+    def __post_init__(self):
+        if self.init not in STAGE1:
+            raise ValueError(f"{self.label}: init {self.init!r} is not one of {sorted(STAGE1)}")
+        if bool(self.teacher_from) != bool(self.teacher_key):
+            raise ValueError(f"{self.label}: teacher_from and teacher_key go together")
+
+
+# paper Table 5 rows; "cam_only" (row 1) scores the GradCAM boxes themselves
+METHODS = {
+    "faster_rcnn": Method("Faster R-CNN", "baselines/faster_rcnn.yaml",
+                          "classifier_single_view"),
+    "faster_rcnn_mv": Method("Faster R-CNN + MV", "baselines/faster_rcnn_multiview.yaml",
+                             "mvccl"),
+    "ssl_single_view": Method("SSL (single view)", "baselines/ssl_single_view.yaml",
+                              "classifier_single_view"),
+    "mean_teacher": Method("MV + SSL (Mean Teacher)", "baselines/mean_teacher_multiview.yaml",
+                           "mvccl"),
+    "braixdet": Method("BRAIxDet", "BRAIxDet/braixdet.yaml", "mvccl", cam=True),
+}
+CAM_ONLY = "cam_only"
+PAPER_CAM = ("gradcam", "res5")
+# docs/RESULTS.md "GradCAM layers": localised the lesions where GradCAM res5 did not
+LOCALISING_CAM = ("layercam", "res4")
+
+
+def method_order(keys):
+    """``keys`` plus the methods they depend on (teacher_from), dependencies first."""
+    order = []
+
+    def visit(key, path=()):
+        if key in path:
+            raise ValueError(f"methods depend on each other in a cycle: {' -> '.join(path)}")
+        m = METHODS[key]
+        if m.teacher_from:
+            visit(m.teacher_from, path + (key,))
+        if key not in order:
+            order.append(key)
+
+    for k in keys:
+        if k in METHODS:
+            visit(k)
+    return order

@@ -1,0 +1,237 @@
+"""Results of pipeline runs: reading what the trainers and tools wrote, tables, seed summaries.
+
+Every number comes from a file a stage wrote (the evaluator's metrics.json, the classifier's
+classification_metrics.json, the pseudo-box JSON's "meta"), never from a log line.
+"""
+import csv
+import glob
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+
+import numpy as np
+from scipy import stats
+
+OURS = "BRAIxDet"
+METRICS = ("AP20", "R@0.5")
+
+
+def _flat(d):
+    """{"bbox": {"AP20": x}} or {"bbox/AP20": x} or {"AP20": x} -> {"AP20": x}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({kk: vv for kk, vv in v.items() if not isinstance(vv, dict)})
+        elif "/" in k:
+            out[k.split("/", 1)[1]] = v
+        else:
+            out.setdefault(k, v)
+    return out
+
+
+def load_metrics(path, metrics=METRICS):
+    """Metric dict of one run: a metrics file, or a directory searched recursively for
+    *metrics*.json files having the metrics; evaluator outputs ({"bbox": {...}}) are preferred
+    over training logs (flat "bbox/AP20" keys); more than one candidate left is an error."""
+    if not os.path.isdir(path):
+        return _load_file(path, metrics)[0]
+    found = []
+    for f in sorted(glob.glob(os.path.join(path, "**", "*metrics*.json"), recursive=True)):
+        try:
+            found.append((f, *_load_file(f, metrics)))
+        except (ValueError, OSError):
+            continue
+    single = [x for x in found if not x[2]]
+    found = single or found
+    if len(found) != 1:
+        names = ", ".join(x[0] for x in found) or "none"
+        raise ValueError(f"{path}: expected one metrics file with {list(metrics)}, found: "
+                         f"{names}; pass the file itself")
+    return found[0][1]
+
+
+def _load_file(path, metrics):
+    """-> (metric dict, is_log): is_log unless the metrics sit in a nested dict as in the
+    evaluator's {"bbox": {...}} (detectron2 logs have flat "bbox/AP20" keys)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        records = [json.loads(text)]
+    except json.JSONDecodeError:  # detectron2 JSONWriter: one JSON object per line
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for rec in reversed(records):
+        flat = _flat(rec) if isinstance(rec, dict) else {}
+        if all(m in flat for m in metrics):
+            vals = {m: (float("nan") if flat[m] is None else float(flat[m])) for m in metrics}
+            nested = any(isinstance(v, dict) and all(m in v for m in metrics)
+                         for v in rec.values())
+            return vals, not nested
+    raise ValueError(f"{path}: no record with all of {list(metrics)}")
+
+
+def collect_runs(run_args=(), glob_pattern=None, regex=None):
+    """[(method, path)] from "METHOD=PATH" strings and/or a glob whose paths a regex tags
+    (named group "method", else group 1)."""
+    runs = []
+    for r in run_args:
+        if "=" not in r:
+            raise ValueError(f"--run expects METHOD=PATH, got {r!r}")
+        method, path = r.split("=", 1)
+        runs.append((method.strip(), path.strip()))
+    if glob_pattern:
+        if not regex:
+            raise ValueError("--glob needs --regex to name the method of each path")
+        rx = re.compile(regex)
+        for path in sorted(glob.glob(glob_pattern, recursive=True)):
+            m = rx.search(path)
+            if m is None:
+                continue
+            runs.append((m.group("method") if "method" in rx.groupindex else m.group(1), path))
+    return runs
+
+
+def summarize(values, baseline, metrics=METRICS):
+    """values: {method: [ {metric: x}, ... ]} -> rows (OrderedDicts), baseline first.
+
+    p-values: one-tailed Welch t-test method > baseline (NaN with < 2 runs on either side or
+    for the baseline itself).
+    """
+    if baseline not in values:
+        raise ValueError(f"baseline {baseline!r} not among the methods {sorted(values)}")
+    methods = [baseline] + [m for m in values if m != baseline]
+    rows = []
+    for method in methods:
+        row = OrderedDict(method=method, n=len(values[method]))
+        for metric in metrics:
+            x = np.array([r[metric] for r in values[method]], dtype=np.float64)
+            b = np.array([r[metric] for r in values[baseline]], dtype=np.float64)
+            row[f"{metric}_mean"] = float(np.mean(x))
+            row[f"{metric}_std"] = float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
+            p = float("nan")
+            if method != baseline and len(x) > 1 and len(b) > 1:
+                p = float(stats.ttest_ind(x, b, equal_var=False, alternative="greater").pvalue)
+            row[f"{metric}_p"] = p
+        rows.append(row)
+    return rows
+
+
+def _fmt(x, spec=".2f"):
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def to_markdown(rows, metrics=METRICS, baseline=None):
+    head = ["method", "n"]
+    for m in metrics:
+        head += [m, f"p ({m} > {baseline})" if baseline else "p"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], str(r["n"])]
+        for m in metrics:
+            cells += [f"{_fmt(r[f'{m}_mean'])} ± {_fmt(r[f'{m}_std'])}", _fmt(r[f"{m}_p"], ".4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def read_metrics(folder):
+    """The evaluator's metrics.json below ``folder`` (one test set)."""
+    for dirpath, _, files in sorted(os.walk(folder)):
+        if "metrics.json" in files:
+            with open(os.path.join(dirpath, "metrics.json")) as f:
+                return json.load(f)
+    raise FileNotFoundError(f"no metrics.json under {folder}")
+
+
+def read_cam_quality(cam_json):
+    if not cam_json or not os.path.exists(cam_json):
+        return None
+    with open(cam_json) as f:
+        return json.load(f)["meta"].get("quality")
+
+
+def _metric(m, key):
+    m = m.get("bbox", m)
+    v = m.get(key)
+    return "n/a" if v is None else f"{float(v):.1f}"
+
+
+def format_table(results):
+    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |", "|---|---|---|"]
+    for name, m in results.items():
+        lines.append(f"| {name} | {_metric(m, 'AP20')} | {_metric(m, 'R@0.5')} |")
+    return "\n".join(lines)
+
+
+def format_classifiers(classifiers):
+    lines = ["| Stage-1 classifier | val AUC | test AUC |", "|---|---|---|"]
+    for name, m in classifiers.items():
+        auc = [m.get(s, {}).get("AUC") for s in ("val", "test")]
+        lines.append(f"| {name} | " + " | ".join(
+            "n/a" if v is None else f"{v:.3f}" for v in auc) + " |")
+    return "\n".join(lines)
+
+
+def _mean_std(mean, std):
+    if mean is None or math.isnan(mean):
+        return "n/a"
+    return f"{mean:.1f} ± {std:.1f}" if not math.isnan(std) else f"{mean:.1f}"
+
+
+def paper_table(per_seed):
+    """per_seed: [run_pipeline summary] -> (markdown, summary dict)."""
+    values = OrderedDict()
+    for s in per_seed:
+        for label, m in s["results"].items():
+            m = m.get("bbox", m)
+            values.setdefault(label, []).append({k: float(m[k]) for k in METRICS})
+    means = {k: float(np.mean([r["AP20"] for r in v])) for k, v in values.items()}
+    others = sorted((k for k in values if k != OURS), key=lambda k: -means[k])
+    second = others[0] if OURS in values and others else None
+    rows = summarize(values, second or next(iter(values)), METRICS)
+    by_label = {r["method"]: r for r in rows}
+    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |", "|---|---|---|"]
+    for label in values:
+        r = by_label[label]
+        lines.append(f"| {label} | " + " | ".join(
+            _mean_std(r[f"{m}_mean"], r[f"{m}_std"]) for m in METRICS) + " |")
+    if second is not None:
+        p = [by_label[OURS][f"{m}_p"] for m in METRICS]
+        lines.append(f"| {OURS} (p-value vs {second}, one-tailed t-test) | " + " | ".join(
+            "n/a" if math.isnan(x) else f"{x:.4f}" for x in p) + " |")
+
+    cls = OrderedDict()
+    for s in per_seed:
+        for name, m in s.get("classifiers", {}).items():
+            for split in ("val", "test"):
+                auc = m.get(split, {}).get("AUC")
+                cls.setdefault(name, {}).setdefault(split, []).append(
+                    float("nan") if auc is None else float(auc))
+    lines += ["", "| Stage-1 classifier | val AUC | test AUC |", "|---|---|---|"]
+    for name, d in cls.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{np.mean(d[s]):.3f} ± {np.std(d[s], ddof=1) if len(d[s]) > 1 else 0:.3f}"
+            for s in ("val", "test")) + " |")
+    quality = [s["cam_quality"] for s in per_seed if s.get("cam_quality")]
+    if quality:
+        lines += ["", "GradCAM pseudo-boxes on D_w (boxes withheld by the protocol): "
+                  f"{100 * np.mean([q['box_hit_rate'] for q in quality]):.1f}% of boxes hit a "
+                  f"lesion, {100 * np.mean([q['lesion_hit_rate'] for q in quality]):.1f}% of "
+                  "lesions hit (IoU >= 0.2; mean over seeds)."]
+    summary = {"rows": rows, "second_best": second, "classifiers": cls,
+               "seeds": [s["protocol"]["seed"] for s in per_seed]}
+    return "\n".join(lines), summary
+
+
+def write_summary(rows, out, metrics=METRICS, baseline=None):
+    """<out>/summary.csv and summary.md of ``summarize`` rows; returns the markdown."""
+    md = to_markdown(rows, metrics, baseline)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(md + "\n\nmean ± std (ddof=1) over runs; p: one-tailed Welch t-test vs "
+                f"{baseline}.\n")
+    return md

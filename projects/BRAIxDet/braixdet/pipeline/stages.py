@@ -1,0 +1,116 @@
+"""One pipeline stage as a child process: its own process group, signals forwarded, and a
+done-marker written last.
+
+A stage is done only when its marker exists: the pipeline writes it (atomically) after the
+child exited 0 and its final results are on disk, so a stage killed at any point, even after
+its best-so-far export, runs again on a re-run (training resumes from ``last_checkpoint``).
+SIGTERM/SIGINT to the pipeline go to the whole process group of the running stage (its data
+loader workers and launched ranks included); the pipeline waits for it, then exits with
+128 + the signal number, leaving no process behind and the stage's OUTPUT_DIR lock free.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from ..utils.io import atomic_write_json
+
+DONE = "stage_done.json"
+# lines worth showing while a stage runs: training progress, results, reports, problems
+PROGRESS = re.compile(r"eta: |copypaste: \S|Split \(|bad inputs:|wrote |Error|error:|"
+                      r"Initialised |GradCAM fusion|pseudo-box quality|Schedule:|"
+                      r"Exported model|Overall training speed|Resum")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LOG_PREFIX = re.compile(r"^\[\d+/\d+ [\d:]+ [\w.]+\]:\s*")  # detectron2's "[date name]: "
+STOP_GRACE_S = 60  # how long a stopped stage may take to exit before it is killed
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+class StageInterrupted(SystemExit):
+    """The pipeline got SIGTERM/SIGINT: the stage was stopped; exit with 128 + signal."""
+
+    def __init__(self, signum):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def done_marker(folder):
+    return os.path.join(folder, DONE)
+
+
+def is_done(folder):
+    return os.path.exists(done_marker(folder))
+
+
+def mark_done(folder, **info):
+    """Written last, atomically: the stage's results are complete."""
+    atomic_write_json(done_marker(folder), {"finished": time.time(), **info}, indent=1)
+
+
+def _stop_group(proc, signum):
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_stage(name, cmd, log_path, cwd=None, env=None):
+    """Run ``cmd`` in a new process group; full output to ``log_path``, progress lines to
+    stdout. Raises StageFailed (exit status != 0) or StageInterrupted (a signal we forwarded).
+    """
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    print(f"\n=== [{name}] {os.path.basename(cmd[1])} (full log: {log_path})", flush=True)
+    received = []
+    tail = []
+    with open(log_path, "w") as log, subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1, start_new_session=True) as proc:
+
+        def forward(signum, _frame):
+            received.append(signum)
+            # SIGTERM for SIGINT too: the stage exits without its end-of-training hooks
+            _stop_group(proc, signal.SIGTERM)
+
+        handlers = {}
+        try:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                handlers[s] = signal.signal(s, forward)
+        except ValueError:  # not the main thread: signals stay with the caller
+            pass
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                tail = (tail + [line])[-60:]
+                if PROGRESS.search(line):
+                    shown = LOG_PREFIX.sub("", ANSI.sub("", line.rstrip()))
+                    print("   " + shown[:170], flush=True)
+            proc.wait()
+        finally:
+            if proc.poll() is None:  # we are leaving early (an exception): stop the stage
+                _stop_group(proc, signal.SIGTERM)
+                try:
+                    proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    _stop_group(proc, signal.SIGKILL)
+                    proc.wait()
+            _stop_group(proc, signal.SIGKILL)  # anything of its group still alive
+            for s, h in handlers.items():
+                signal.signal(s, h)
+    if received:
+        print(f"=== [{name}] stopped by signal {received[0]}; a re-run resumes it",
+              flush=True)
+        raise StageInterrupted(received[0])
+    if proc.returncode != 0:
+        sys.stdout.write("".join(tail))
+        raise StageFailed(f"stage {name} failed (exit {proc.returncode}); see {log_path}")
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
