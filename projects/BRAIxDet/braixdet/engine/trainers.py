@@ -296,15 +296,24 @@ class BRAIxTrainerBase(DefaultTrainer):
             ret.append(d2_hooks.PeriodicWriter(self.build_writers(), period=20))
         return ret
 
+    def deploy_model(self):
+        """The model users get (and stage 2 starts from): the trained model itself."""
+        return unwrap(self.model)
+
     def validation_hooks(self):
-        """ReduceLROnPlateau on the validation metric (paper §4.3), when there is validation."""
+        """ReduceLROnPlateau on the validation metric (paper §4.3), when there is validation,
+        then the export of the best model on validation (paper: model selection), in both
+        stages: stage 2 starts from the stage-1 export (``model_export.pth``)."""
         metric = validation_metric(self.cfg)
+        self.best_export = BestExportHook(
+            os.path.join(self.cfg.OUTPUT_DIR, EXPORT_NAME), self.deploy_model,
+            metric.key if metric else None, metric.mode if metric else "max")
         if metric is None:
-            return []
+            return [self.best_export]
         s = self.cfg.SOLVER.BRAIXDET
         self.plateau = ReduceLROnPlateauHook(metric=metric.key, mode=metric.mode,
                                              factor=s.PLATEAU_FACTOR, patience=s.PLATEAU_PATIENCE)
-        return [self.plateau]
+        return [self.plateau, self.best_export]
 
     # -- checkpointed state --------------------------------------------------------------------
     # detectron2 0.6's DefaultTrainer checkpoints only the iteration and the hooks: without the
@@ -359,7 +368,8 @@ class BRAIxTrainerBase(DefaultTrainer):
 
 
 class MVCCLTrainer(BRAIxTrainerBase):
-    """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, ReduceLROnPlateau on validation BCE."""
+    """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, ReduceLROnPlateau on validation BCE; the
+    best classifier on validation is exported (``model_export.pth``) for stage 2."""
 
 
 class BRAIxDetTrainer(BRAIxTrainerBase):
@@ -379,18 +389,6 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
             logger.info("Initialised from classifier: %d tensors loaded, %d dropped",
                         len(report["loaded"]), len(report["dropped"]))
         return model
-
-    def deploy_model(self):
-        """The model users get: the trained detector itself."""
-        return unwrap(self.model)
-
-    def validation_hooks(self):
-        ret = super().validation_hooks()
-        metric = validation_metric(self.cfg)
-        self.best_export = BestExportHook(
-            os.path.join(self.cfg.OUTPUT_DIR, EXPORT_NAME), self.deploy_model,
-            metric.key if metric else None, metric.mode if metric else "max")
-        return ret + [self.best_export]
 
     def train(self):
         results = super().train()
