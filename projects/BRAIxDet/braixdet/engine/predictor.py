@@ -13,7 +13,13 @@ the auxiliary input. ``ExamPredictor``:
   (``braixdet/data/mapper.py``; same canonical size, mask parameters, 16-bit quantisation,
   format), so the model never sees other pixels at inference than in evaluation;
 * encodes each image once per exam (``MultiViewRCNN.inference_exam``) and returns, per image, the
-  boxes in ORIGINAL DICOM pixel coordinates with their scores.
+  boxes in ORIGINAL DICOM pixel coordinates with their scores;
+* decodes and canonicalises the next exams in ``num_workers`` DataLoader worker processes while
+  the model runs on the current one (``predict_exams``; 0 = in this process, same results).
+
+Each input FILE is one output record: ``record_id`` is its SOPInstanceUID, with a suffix
+``_dup2``, ``_dup3``, ... for a second, third, ... file (by path) carrying the same UID (counted
+``duplicate_sop_uid``), so records, overlays and SR findings never merge two files.
 
 Cache folder (choice): ``INPUT.BRAIXDET.CACHE_DIR`` when set (entries shared with training and
 evaluation, keyed by path, size, mtime and laterality, so images seen there are not decoded
@@ -45,7 +51,7 @@ from ..data.views import normalize_laterality, normalize_view
 from .setup import load_inference_weights
 
 __all__ = ["DICOM_SUFFIXES", "Exam", "ExamPredictor", "ImagePrediction", "ViewPair",
-           "find_dicoms", "group_exams", "pair_exam", "read_metas"]
+           "assign_record_ids", "find_dicoms", "group_exams", "pair_exam", "read_metas"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,10 @@ class Exam:
     study_uid: str
     images: tuple  # of DicomMeta
     key: str = ""  # identifier-free exam key (group_exams)
+    record_ids: tuple = ()  # one per image, unique over the run (assign_record_ids); () = UIDs
+
+    def record_id(self, i: int) -> str:
+        return self.record_ids[i] if self.record_ids else self.images[i].sop_uid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +89,7 @@ class ImagePrediction:
     aux_sop_uid: str  # the partner view used as auxiliary input (its own UID when aux_missing)
     aux_missing: bool
     instances: Instances
+    record_id: str = ""  # unique per input file (module doc)
 
     @property
     def boxes(self) -> np.ndarray:
@@ -203,20 +214,74 @@ def pair_exam(images: Sequence[DicomMeta], report: Optional[BadInputReport] = No
             for m, d in zip(images, dicts)]
 
 
+def assign_record_ids(exams: Sequence[Exam], report: BadInputReport) -> List[Exam]:
+    """``exams`` with ``record_ids``: the SOPInstanceUID, suffixed ``_dup<n>`` for the n-th
+    file (in path order) with an already used UID; each duplicate counted ``duplicate_sop_uid``.
+    """
+    seen = Counter()
+    ids = {}
+    for m in sorted((m for e in exams for m in e.images), key=lambda m: m.path):
+        seen[m.sop_uid] += 1
+        ids[m.path] = m.sop_uid if seen[m.sop_uid] == 1 else f"{m.sop_uid}_dup{seen[m.sop_uid]}"
+        if seen[m.sop_uid] > 1:
+            report.count("duplicate_sop_uid")
+    return [dataclasses.replace(e, record_ids=tuple(ids[m.path] for m in e.images))
+            for e in exams]
+
+
+class _ExamPixels(torch.utils.data.Dataset):
+    """Item i: {path: (pixels, transform) or BadInputError} of exam i's images (DataLoader
+    workers compute them; errors travel as values so the report stays in the main process)."""
+
+    def __init__(self, load, exams):
+        self.load, self.exams = load, exams
+
+    def __len__(self):
+        return len(self.exams)
+
+    def __getitem__(self, i):
+        out = {}
+        for m in self.exams[i].images:
+            try:
+                out[m.path] = self.load(m)
+            except BadInputError as e:
+                out[m.path] = e
+        return out
+
+
+def _as_is(item):
+    return item  # no collation: an item is one exam's dict
+
+
+class _Loader:
+    """Picklable image loader for the workers: the mapper's cache only, not the model."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __call__(self, meta: DicomMeta):
+        try:
+            img, tfm = self.cache.get(meta.path, meta.laterality)
+        except ValueError as e:  # e.g. an empty image; the mapper skips these too
+            raise BadInputError(meta.path, "unsupported", str(e).replace("\n", " ")) from None
+        return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)[None]), tfm
+
+
 class ExamPredictor:
     """Build the model of ``cfg`` with ``weights`` (the teacher when the checkpoint holds one)
     and detect on DICOM exams::
 
-        predictor = ExamPredictor(cfg, "output/braixdet/model_final_teacher.pth")
+        predictor = ExamPredictor(cfg, "output/braixdet/model_export.pth")
         for p in predictor(["/exams/2024-06/"]):
             print(p.meta.sop_uid, p.boxes, p.scores)
 
     ``share_features=False`` runs the model once per (main, aux) pair instead of encoding each
     image once per exam (same detections; for checking). ``cache_dir``: see the module doc.
+    ``num_workers``: DataLoader processes decoding ahead of the model (0: serial, same results).
     """
 
     def __init__(self, cfg, weights: str, share_features: bool = True,
-                 cache_dir: Optional[str] = None):
+                 cache_dir: Optional[str] = None, num_workers: int = 2):
         cfg = cfg.clone()
         cfg.defrost()
         cfg.MODEL.WEIGHTS = str(weights)  # the encoder is not built from ImageNet weights
@@ -226,6 +291,9 @@ class ExamPredictor:
         load_inference_weights(self.model, weights)
         self.model.eval()
         self.share_features = bool(share_features)
+        if int(num_workers) < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.num_workers = int(num_workers)
         self.allow_for_processing = bool(cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING)
         self._tmp = None
         cache_dir = cache_dir or cfg.INPUT.BRAIXDET.CACHE_DIR
@@ -254,28 +322,39 @@ class ExamPredictor:
               ) -> List[Exam]:
         """Exams of the DICOM files and folders ``inputs`` (headers only); ``overrides``: a
         views CSV (``braixdet.data.views.load_views_csv``), see ``read_metas``."""
-        return group_exams(read_metas(find_dicoms(inputs), report, self.allow_for_processing,
-                                      overrides=overrides), report)
+        return assign_record_ids(group_exams(read_metas(
+            find_dicoms(inputs), report, self.allow_for_processing, overrides=overrides),
+            report), report)
 
     def load(self, meta: DicomMeta):
         """(canonical (1, H, W) float32 tensor, original -> canonical transform) of one image,
         from the mapper's cache (computed on a miss). Raises BadInputError."""
-        try:
-            img, tfm = self.mapper.cache.get(meta.path, meta.laterality)
-        except ValueError as e:  # e.g. an empty image; the mapper skips these too
-            raise BadInputError(meta.path, "unsupported", str(e).replace("\n", " ")) from None
-        return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)[None]), tfm
+        return _Loader(self.mapper.cache)(meta)
 
     # -- inference ------------------------------------------------------------------------------
+    def predict_exams(self, exams: Sequence[Exam], report: BadInputReport):
+        """Yield (exam, predictions) per exam; the pixels of the next exams are computed by
+        ``num_workers`` DataLoader workers meanwhile (our choice: one exam per item, so the
+        model always gets a whole exam)."""
+        loader = torch.utils.data.DataLoader(
+            _ExamPixels(_Loader(self.mapper.cache), list(exams)), batch_size=None,
+            shuffle=False, num_workers=self.num_workers, collate_fn=_as_is)
+        for exam, pixels in zip(exams, loader):
+            yield exam, self.predict_exam(exam, report, pixels)
+
     @torch.no_grad()
-    def predict_exam(self, exam: Exam, report: BadInputReport) -> List[ImagePrediction]:
-        """Detections of every readable image of one exam, in ``exam.images`` order."""
+    def predict_exam(self, exam: Exam, report: BadInputReport, pixels=None
+                     ) -> List[ImagePrediction]:
+        """Detections of every readable image of one exam, in ``exam.images`` order.
+        ``pixels``: an item of ``_ExamPixels`` (computed here when None)."""
+        if pixels is None:
+            pixels = _ExamPixels(self.load, [exam])[0]
         loaded = {}
         for m in exam.images:
-            try:
-                loaded[m.path] = self.load(m)
-            except BadInputError as e:
-                report.add(e)
+            if isinstance(pixels[m.path], BadInputError):
+                report.add(pixels[m.path])
+            else:
+                loaded[m.path] = pixels[m.path]
         good = [m for m in exam.images if m.path in loaded]
         if not good:
             return []
@@ -292,8 +371,10 @@ class ExamPredictor:
             outs = [self.model([{"image": images[mi], "aux_image": images[ai],
                                  "transforms": transforms[mi], "height": sizes[mi][0],
                                  "width": sizes[mi][1]}])[0] for mi, ai in index_pairs]
+        record = {m.path: exam.record_id(i) for i, m in enumerate(exam.images)}
         return [ImagePrediction(meta=p.main, aux_sop_uid=(p.aux or p.main).sop_uid,
-                                aux_missing=p.aux is None, instances=o["instances"].to("cpu"))
+                                aux_missing=p.aux is None, instances=o["instances"].to("cpu"),
+                                record_id=record[p.main.path])
                 for p, o in zip(pairs, outs)]
 
     def __call__(self, inputs: Iterable[str], report: Optional[BadInputReport] = None
@@ -301,5 +382,5 @@ class ExamPredictor:
         """Detections of every readable image under ``inputs`` (DICOM files or folders), exam
         by exam; problems go to ``report`` (a fresh one, logged only, when None)."""
         report = report if report is not None else BadInputReport("predict")
-        return [p for exam in self.exams(inputs, report)
-                for p in self.predict_exam(exam, report)]
+        return [p for _, preds in self.predict_exams(self.exams(inputs, report), report)
+                for p in preds]

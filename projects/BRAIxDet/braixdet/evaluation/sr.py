@@ -1,0 +1,139 @@
+"""DICOM Structured Report results of one exam with highdicom (TID 1500 Measurement Report).
+
+One Comprehensive SR per exam (our choice of layout; the paper has no output format):
+
+* one TID 1410 planar-ROI group per detected box: the region is a closed SCOORD POLYLINE (the
+  box's 4 corners, first = last) in the ORIGINAL pixel grid of its source image (column, row;
+  (0, 0) = top-left corner of the top-left pixel, detectron2's XYXY convention), referencing
+  that image by SOP Class/Instance UID; finding type "Lesion", finding site breast + laterality,
+  the score as the measurement (DCM 111047) "Probability of cancer" (unit "1");
+* one TID 1501 group per breast and one for the exam with the breast / exam malignancy score
+  (``evaluation/exam_scores.py``), tracking identifiers "breast L", "breast R", "exam";
+* the algorithm (name, version, score threshold) in every measurement.
+
+The SR is the one output that carries the patient and study identity of its source images
+(highdicom copies the patient / study modules of the first image): a PACS files it beside them.
+``pseudonymise_patient=True`` (research) replaces that patient module: PatientID = the project's
+pseudonym (``data/dicom.py`` ``pseudonymise``), no name, no birth date, PatientIdentityRemoved.
+"""
+import warnings
+from typing import Dict, List, Sequence
+
+import highdicom as hd
+import numpy as np
+import pydicom
+from pydicom.sr.codedict import codes
+
+from ..data.dicom import pseudonymise
+
+__all__ = ["ALGORITHM", "exam_sr", "read_sr_findings"]
+
+ALGORITHM = "BRAIxDet"
+_SCORE = codes.DCM.ProbabilityOfCancer
+_LATERALITY = {"L": codes.SCT.Left, "R": codes.SCT.Right}
+_PATIENT_IDENTITY = ("PatientName", "PatientBirthDate", "PatientBirthTime", "OtherPatientIDs",
+                     "OtherPatientNames", "OtherPatientIDsSequence", "PatientAddress",
+                     "PatientTelephoneNumbers", "PatientMotherBirthName", "IssuerOfPatientID")
+
+
+def _version():
+    try:
+        from importlib.metadata import version
+
+        return version("braixdet")
+    except Exception:  # not installed as a distribution (run from the source tree)
+        return "0"
+
+
+def _score(value, algorithm, site=None):
+    return hd.sr.Measurement(name=_SCORE, value=float(value), unit=codes.UCUM.NoUnits,
+                             algorithm_id=algorithm, finding_sites=site)
+
+
+def _site(laterality):
+    return [hd.sr.FindingSite(anatomic_location=codes.SCT.Breast,
+                              laterality=_LATERALITY[laterality])]
+
+
+def exam_sr(images: Sequence[dict], breast_scores: Dict[str, float], exam_score: float, *,
+            score_thresh: float, series_number: int = 9001, pseudonymise_patient: bool = False
+            ) -> hd.sr.ComprehensiveSR:
+    """The SR of one exam. ``images``: one dict per source image with ``path`` (its DICOM file),
+    ``laterality`` ("L"/"R"), ``boxes`` ((N, 4) XYXY original pixels) and ``scores`` (N,);
+    boxes scoring below ``score_thresh`` are left out. ``breast_scores``: {"L"/"R": score}."""
+    headers = [pydicom.dcmread(im["path"], stop_before_pixels=True) for im in images]
+    algorithm = hd.sr.AlgorithmIdentification(name=ALGORITHM, version=_version(),
+                                              parameters=[f"score_thresh={score_thresh:g}"])
+    groups = []
+    for im, ds in zip(images, headers):
+        source = hd.sr.SourceImageForRegion.from_source_image(ds)
+        boxes = np.asarray(im["boxes"], dtype=np.float64).reshape(-1, 4)
+        scores = np.asarray(im["scores"], dtype=np.float64).reshape(-1)
+        for k, ((x0, y0, x1, y1), s) in enumerate(zip(boxes, scores)):
+            if s < score_thresh:
+                continue
+            corners = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]])
+            groups.append(hd.sr.PlanarROIMeasurementsAndQualitativeEvaluations(
+                tracking_identifier=hd.sr.TrackingIdentifier(
+                    uid=hd.UID(), identifier=f"box {k + 1} of {ds.SOPInstanceUID}"[:64]),
+                referenced_region=hd.sr.ImageRegion(graphic_type=hd.sr.GraphicTypeValues.POLYLINE,
+                                                    graphic_data=corners, source_image=source),
+                finding_type=codes.SCT.Lesion, finding_sites=_site(im["laterality"]),
+                measurements=[_score(s, algorithm)]))
+    for lat in sorted(breast_scores):
+        groups.append(hd.sr.MeasurementsAndQualitativeEvaluations(
+            tracking_identifier=hd.sr.TrackingIdentifier(uid=hd.UID(), identifier=f"breast {lat}"),
+            finding_type=codes.SCT.Breast, finding_sites=_site(lat),
+            measurements=[_score(breast_scores[lat], algorithm)]))
+    groups.append(hd.sr.MeasurementsAndQualitativeEvaluations(
+        tracking_identifier=hd.sr.TrackingIdentifier(uid=hd.UID(), identifier="exam"),
+        finding_type=codes.SCT.Breast, measurements=[_score(exam_score, algorithm)]))
+    observer = hd.sr.ObserverContext(
+        observer_type=codes.DCM.Device,
+        observer_identifying_attributes=hd.sr.DeviceObserverIdentifyingAttributes(
+            uid=hd.UID(), name=ALGORITHM))
+    report = hd.sr.MeasurementReport(
+        observation_context=hd.sr.ObservationContext(observer_device_context=observer),
+        procedure_reported=codes.SCT.Mammography, imaging_measurements=groups)
+    with warnings.catch_warnings():
+        # highdicom's check of PatientName warns WITH the name in the text: keep it out of logs
+        warnings.filterwarnings("ignore", message="The string .* person name")
+        sr = hd.sr.ComprehensiveSR(
+            evidence=headers, content=report, series_instance_uid=hd.UID(),
+            series_number=series_number, sop_instance_uid=hd.UID(), instance_number=1,
+            manufacturer=ALGORITHM, series_description="BRAIxDet detections")
+    if pseudonymise_patient:
+        _pseudonymise_patient(sr)
+    return sr
+
+
+def _pseudonymise_patient(ds):
+    """Patient module -> pseudonym only (research): no name, birth date or other IDs."""
+    ds.PatientID = pseudonymise(str(ds.get("PatientID", "")))
+    for keyword in _PATIENT_IDENTITY:
+        if keyword in ds:
+            delattr(ds, keyword)
+    ds.PatientName = ""  # type 2: present, empty
+    ds.PatientBirthDate = ""
+    ds.PatientIdentityRemoved = "YES"
+    ds.DeidentificationMethod = "BRAIxDet pseudonym of PatientID"
+
+
+def read_sr_findings(sr) -> List[dict]:
+    """The boxes of an SR written by ``exam_sr`` (a path, a Dataset or a highdicom SR):
+    [{"sop_instance_uid", "sop_class_uid", "box_xyxy", "score"}] in content order."""
+    if not isinstance(sr, hd.sr.ComprehensiveSR):
+        ds = pydicom.dcmread(sr) if not isinstance(sr, pydicom.Dataset) else sr
+        sr = hd.sr.ComprehensiveSR.from_dataset(ds)
+    out = []
+    for group in sr.content.get_planar_roi_measurement_groups():
+        region = group.roi
+        points = region.value
+        ref = region.ContentSequence[0].ReferencedSOPSequence[0]  # its SELECTED FROM image
+        (score,) = [m.value for m in group.get_measurements(name=_SCORE)]
+        out.append({"sop_instance_uid": str(ref.ReferencedSOPInstanceUID),
+                    "sop_class_uid": str(ref.ReferencedSOPClassUID),
+                    "box_xyxy": [float(points[:, 0].min()), float(points[:, 1].min()),
+                                 float(points[:, 0].max()), float(points[:, 1].max())],
+                    "score": float(score)})
+    return out
