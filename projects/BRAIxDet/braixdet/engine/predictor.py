@@ -230,7 +230,7 @@ def assign_record_ids(exams: Sequence[Exam], report: BadInputReport) -> List[Exa
 
 
 class _ExamPixels(torch.utils.data.Dataset):
-    """Item i: {path: (pixels, transform) or BadInputError} of exam i's images (DataLoader
+    """Item i: {path: (pixels, transform) or a ``_Failed``} of exam i's images (DataLoader
     workers compute them; errors travel as values so the report stays in the main process)."""
 
     def __init__(self, load, exams):
@@ -244,9 +244,16 @@ class _ExamPixels(torch.utils.data.Dataset):
         for m in self.exams[i].images:
             try:
                 out[m.path] = self.load(m)
-            except BadInputError as e:
-                out[m.path] = e
+            except BadInputError as e:  # its __init__ signature does not unpickle
+                out[m.path] = _Failed(e.path, e.reason, e.detail)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    path: str
+    reason: str
+    detail: str
 
 
 def _as_is(item):
@@ -351,8 +358,8 @@ class ExamPredictor:
             pixels = _ExamPixels(self.load, [exam])[0]
         loaded = {}
         for m in exam.images:
-            if isinstance(pixels[m.path], BadInputError):
-                report.add(pixels[m.path])
+            if isinstance(pixels[m.path], _Failed):
+                report.add(BadInputError(**dataclasses.asdict(pixels[m.path])))
             else:
                 loaded[m.path] = pixels[m.path]
         good = [m for m in exam.images if m.path in loaded]

@@ -36,6 +36,19 @@ _PATIENT_IDENTITY = ("PatientName", "PatientBirthDate", "PatientBirthTime", "Oth
                      "PatientTelephoneNumbers", "PatientMotherBirthName", "IssuerOfPatientID")
 
 
+# Type 2 patient / study attributes highdicom copies from the first image: empty when absent
+_TYPE2 = ("PatientID", "PatientName", "PatientBirthDate", "PatientSex", "AccessionNumber",
+          "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName")
+
+
+def _header(path):
+    ds = pydicom.dcmread(path, stop_before_pixels=True)
+    for keyword in _TYPE2:
+        if keyword not in ds:
+            setattr(ds, keyword, "")
+    return ds
+
+
 def _version():
     try:
         from importlib.metadata import version
@@ -61,7 +74,7 @@ def exam_sr(images: Sequence[dict], breast_scores: Dict[str, float], exam_score:
     """The SR of one exam. ``images``: one dict per source image with ``path`` (its DICOM file),
     ``laterality`` ("L"/"R"), ``boxes`` ((N, 4) XYXY original pixels) and ``scores`` (N,);
     boxes scoring below ``score_thresh`` are left out. ``breast_scores``: {"L"/"R": score}."""
-    headers = [pydicom.dcmread(im["path"], stop_before_pixels=True) for im in images]
+    headers = [_header(im["path"]) for im in images]
     algorithm = hd.sr.AlgorithmIdentification(name=ALGORITHM, version=_version(),
                                               parameters=[f"score_thresh={score_thresh:g}"])
     groups = []
