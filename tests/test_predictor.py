@@ -14,7 +14,7 @@ from detectron2.evaluation import DatasetEvaluator, inference_on_dataset
 from detectron2.modeling import build_model
 
 from braixdet.data.build import build_multiview_test_loader, get_dicts
-from braixdet.data.dicom import DicomMeta, read_dicom_meta
+from braixdet.data.dicom import DicomMeta, pseudonymise, read_dicom_meta
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.data.report import BadInputReport
 from braixdet.engine import ExamPredictor, predict_outputs
@@ -335,3 +335,28 @@ def test_real_files_predict_tool(setup, tmp_path, capfd):
         assert ident not in text and ident not in console, ident
     sr_ds = pydicom.dcmread(out / "sr" / "exam_0.dcm")
     assert str(sr_ds.PatientID) in _identities(files)  # the SR carries the source identity
+
+
+def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
+    """--format sr --sr-pseudonymise --views-csv: a views CSV putting each breast in its own
+    exam gives 2 exams, 2 pseudonymised SRs and no predictions.json."""
+    exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
+    files = sorted(exam.iterdir())
+    csv = tmp_path / "views.csv"
+    csv.write_text("file,laterality,view,exam\n" + "".join(
+        f"{f.name},,,breast-{read_dicom_meta(f).laterality}\n" for f in files))
+    out = tmp_path / "out"
+    _predict_tool().main([
+        "--config-file", DEMO, "--weights", setup["weights"], "--input", str(exam), "--out",
+        str(out), "--format", "sr", "--sr-pseudonymise", "--views-csv", str(csv),
+        "--no-overlays", *TINY])
+    assert not (out / "predictions.json").exists()
+    assert json.loads((out / "report.json").read_text())["counts"]["views_csv_override"] == 4
+    srs = sorted((out / "sr").iterdir())
+    assert [p.name for p in srs] == ["exam_0.dcm", "exam_1.dcm"]
+    source = pydicom.dcmread(files[0], stop_before_pixels=True)
+    for p in srs:
+        ds = pydicom.dcmread(p)
+        assert ds.PatientIdentityRemoved == "YES" and str(ds.PatientName) == ""
+        assert ds.PatientID == pseudonymise(str(source.PatientID))
+        assert len({f["sop_instance_uid"] for f in read_sr_findings(ds)}) == 2  # one breast
