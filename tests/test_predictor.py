@@ -326,6 +326,9 @@ def test_real_files_predict_tool(setup, tmp_path, capfd):
         for (g_uid, g_score, g_box), (w_uid, w_score, w_box) in zip(got, want):
             assert g_uid == w_uid and g_score == pytest.approx(w_score, abs=1e-5)
             assert g_box == pytest.approx(w_box, abs=0.06)  # JSON: 0.1 px, SR: float32
+    assert sorted(pydicom.dcmread(p).GraphicAnnotationSequence[0].ReferencedImageSequence[0]
+                  .ReferencedSOPInstanceUID for p in (out / "pr").iterdir()) == \
+        sorted(r["sop_instance_uid"] for r in pred["images"])  # one GSPS per image
     assert sorted(p.name for p in out.glob("exam_*.png")) == ["exam_0.png", "exam_1.png"]
     assert len(list(out.glob("1.*.png"))) == 8
     text = (out / "predictions.json").read_text() + (out / "report.json").read_text() + \
@@ -349,7 +352,8 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
     _predict_tool().main([
         "--config-file", DEMO, "--weights", setup["weights"], "--input", str(exam), "--out",
         str(out), "--format", "sr", "--sr-pseudonymise", "--views-csv", str(csv),
-        "--no-overlays", *TINY])
+        "--no-overlays", "--workers", "0", *TINY,
+        "INPUT.BRAIXDET.CACHE_DIR", str(setup["tmp"] / "eval_cache")])
     assert not (out / "predictions.json").exists()
     assert json.loads((out / "report.json").read_text())["counts"]["views_csv_override"] == 4
     srs = sorted((out / "sr").iterdir())

@@ -8,7 +8,7 @@ import pydicom
 import pytest
 
 from braixdet.data.dicom import pseudonymise
-from braixdet.evaluation.sr import exam_sr, read_sr_findings
+from braixdet.evaluation.sr import exam_sr, image_presentation_state, read_sr_findings
 
 
 def _exam_files():
@@ -77,3 +77,27 @@ def test_sr_pseudonymised_patient_module(tmp_path):
         for value in (str(im["ds"].PatientID), str(im["ds"].PatientName)):
             assert value.encode() not in raw
     assert len(read_sr_findings(path)) == 8
+
+
+def test_presentation_state_draws_the_boxes(tmp_path):
+    """GSPS of one real image: its boxes >= the threshold as closed pixel polylines with the
+    score as text, referencing the image; pydicom reads it back as a GSPS."""
+    (image,) = _images(_exam_files()[:1])
+    pr = image_presentation_state(image["path"], image["boxes"], image["scores"],
+                                  score_thresh=0.0)
+    path = tmp_path / "pr.dcm"
+    pr.save_as(path)
+    ds = pydicom.dcmread(path)
+    assert ds.SOPClassUID == "1.2.840.10008.5.1.4.1.1.11.1"  # Grayscale Softcopy PS Storage
+    (ann,) = ds.GraphicAnnotationSequence
+    assert ann.ReferencedImageSequence[0].ReferencedSOPInstanceUID == \
+        image["ds"].SOPInstanceUID
+    polys = [np.asarray(g.GraphicData).reshape(-1, 2) for g in ann.GraphicObjectSequence]
+    for poly, box in zip(polys, image["boxes"]):
+        assert (poly[0] == poly[-1]).all() and len(poly) == 5
+        assert [poly[:, 0].min(), poly[:, 1].min(), poly[:, 0].max(), poly[:, 1].max()] == \
+            pytest.approx(list(box), abs=1e-3)
+    assert [t.UnformattedTextValue for t in ann.TextObjectSequence] == \
+        [f"{s:.2f}" for s in image["scores"]]
+    assert (ds.PatientID, ds.StudyInstanceUID) == (image["ds"].PatientID,
+                                                   image["ds"].StudyInstanceUID)

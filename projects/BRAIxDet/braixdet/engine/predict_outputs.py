@@ -9,8 +9,9 @@ output folder (one run per folder: ``acquire_output_lock``):
   "exams": [{exam, key (pseudonym), score, breasts {"L"/"R": score}, records}], "report":
   counts}. Scores: ``evaluation/exam_scores.py`` (max detection score). No patient identifier,
   no path.
-* ``sr/exam_<k>.dcm`` (``--format sr|both``): one TID 1500 Comprehensive SR per exam
-  (``evaluation/sr.py``); the only output with the patient / study identity of the images
+* ``sr/exam_<k>.dcm`` (``--format sr|both``): one TID 1500 Comprehensive SR per exam, and
+  ``pr/<record_id>.dcm``, a Grayscale Softcopy Presentation State per image that viewers draw
+  (``evaluation/sr.py``); the only outputs with the patient / study identity of the images
   (``sr_pseudonymise``: a pseudonymised patient module instead).
 * ``<record_id>.png`` overlays (boxes >= ``overlay_thresh`` on the original image) and
   ``exam_<k>.png``, the exam's views side by side (R CC, R MLO, L CC, L MLO; our choice).
@@ -27,12 +28,13 @@ import os
 import cv2
 import numpy as np
 import pydicom
+from pydicom.errors import InvalidDicomError
 
 from ..data.dicom import read_dicom_image
 from ..data.report import BadInputError, BadInputReport
 from ..evaluation.exam_scores import breast_exam_scores, image_score
 from ..evaluation.overlay import draw_overlay
-from ..evaluation.sr import exam_sr
+from ..evaluation.sr import exam_sr, image_presentation_state
 from ..utils import safe_output_path
 from ..utils.io import OutputPathRefused, atomic_write_bytes, atomic_write_json
 from .output_lock import acquire_output_lock
@@ -93,19 +95,31 @@ def _overlays(preds, exam_no, out_dir, thresh, allow_for_processing, report):
             report.add(BadInputError(e.path, "refused_output", e.reason))
 
 
+def _write_dicom(folder, name, ds, report):
+    try:
+        os.makedirs(folder, exist_ok=True)
+        buf = io.BytesIO()
+        pydicom.dcmwrite(buf, ds, enforce_file_format=True)
+        atomic_write_bytes(safe_output_path(folder, name, ".dcm"), buf.getvalue())
+    except OutputPathRefused as e:
+        report.add(BadInputError(e.path, "refused_output", e.reason))
+
+
 def _write_sr(preds, breasts, exam_score, exam_no, out_dir, score_thresh, pseudonymise, report):
     images = [{"path": p.meta.path, "laterality": p.meta.laterality, "boxes": p.boxes,
                "scores": p.scores} for p in preds]
-    sr_dir = os.path.join(out_dir, "sr")
-    try:
-        os.makedirs(sr_dir, exist_ok=True)
+    try:  # the headers are read again: a file changed since prediction is one report line
         sr = exam_sr(images, breasts, exam_score, score_thresh=score_thresh,
                      pseudonymise_patient=pseudonymise)
-        buf = io.BytesIO()
-        pydicom.dcmwrite(buf, sr, enforce_file_format=True)
-        atomic_write_bytes(safe_output_path(sr_dir, f"exam_{exam_no}", ".dcm"), buf.getvalue())
-    except OutputPathRefused as e:
-        report.add(BadInputError(e.path, "refused_output", e.reason))
+        prs = [(p.record_id, image_presentation_state(
+            p.meta.path, p.boxes, p.scores, score_thresh=score_thresh,
+            pseudonymise_patient=pseudonymise)) for p in preds]
+    except (OSError, ValueError, InvalidDicomError) as e:
+        report.add(BadInputError(preds[0].meta.path, "sr_failed", f"exam {exam_no}: {e}"[:200]))
+        return
+    _write_dicom(os.path.join(out_dir, "sr"), f"exam_{exam_no}", sr, report)
+    for record_id, pr in prs:
+        _write_dicom(os.path.join(out_dir, "pr"), record_id, pr, report)
 
 
 def predict_to_folder(cfg, weights, inputs, out_dir, *, formats="both", score_thresh=0.05,

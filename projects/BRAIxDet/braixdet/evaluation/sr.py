@@ -11,10 +11,14 @@ One Comprehensive SR per exam (our choice of layout; the paper has no output for
   (``evaluation/exam_scores.py``), tracking identifiers "breast L", "breast R", "exam";
 * the algorithm (name, version, score threshold) in every measurement.
 
-The SR is the one output that carries the patient and study identity of its source images
-(highdicom copies the patient / study modules of the first image): a PACS files it beside them.
-``pseudonymise_patient=True`` (research) replaces that patient module: PatientID = the project's
-pseudonym (``data/dicom.py`` ``pseudonymise``), no name, no birth date, PatientIdentityRemoved.
+``image_presentation_state``: a Grayscale Softcopy Presentation State per image (highdicom.pr)
+so that PACS viewers draw the same boxes (POLYLINE, PIXEL units) with their scores as text.
+
+The SR and the presentation states are the outputs that carry the patient and study identity of
+their source images (highdicom copies the patient / study modules of the (first) image): a PACS
+files them beside the images. ``pseudonymise_patient=True`` (research) replaces that module:
+PatientID = the project's pseudonym (``data/dicom.py`` ``pseudonymise``), no name, no birth
+date, PatientIdentityRemoved.
 """
 import warnings
 from typing import Dict, List, Sequence
@@ -26,7 +30,7 @@ from pydicom.sr.codedict import codes
 
 from ..data.dicom import pseudonymise
 
-__all__ = ["ALGORITHM", "exam_sr", "read_sr_findings"]
+__all__ = ["ALGORITHM", "exam_sr", "image_presentation_state", "read_sr_findings"]
 
 ALGORITHM = "BRAIxDet"
 _SCORE = codes.DCM.ProbabilityOfCancer
@@ -118,6 +122,42 @@ def exam_sr(images: Sequence[dict], breast_scores: Dict[str, float], exam_score:
     if pseudonymise_patient:
         _pseudonymise_patient(sr)
     return sr
+
+
+def image_presentation_state(path, boxes, scores, *, score_thresh: float,
+                             series_number: int = 9002, pseudonymise_patient: bool = False
+                             ) -> hd.pr.GrayscaleSoftcopyPresentationState:
+    """GSPS of one image: its boxes >= ``score_thresh`` as closed polylines in pixel units,
+    each with its score as a text label above it (layer "BRAIXDET", red)."""
+    ds = _header(path)
+    layer = hd.pr.GraphicLayer(layer_name="BRAIXDET", order=1, description="detections",
+                               display_color=hd.color.CIELabColor(53.2, 80.1, 67.2))  # red
+    graphics, texts = [], []
+    for (x0, y0, x1, y1), s in zip(np.asarray(boxes, dtype=np.float64).reshape(-1, 4),
+                                   np.asarray(scores, dtype=np.float64).reshape(-1)):
+        if s < score_thresh:
+            continue
+        graphics.append(hd.pr.GraphicObject(
+            graphic_type=hd.pr.GraphicTypeValues.POLYLINE, units="PIXEL",
+            graphic_data=np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]])))
+        texts.append(hd.pr.TextObject(text_value=f"{s:.2f}", units="PIXEL",
+                                      anchor_point=(float(x0), float(max(y0 - 1.0, 0.0))),
+                                      anchor_point_visible=False))
+    annotations = [hd.pr.GraphicAnnotation(referenced_images=[ds], graphic_layer=layer,
+                                           graphic_objects=graphics, text_objects=texts)
+                   ] if graphics else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The string .* person name")
+        pr = hd.pr.GrayscaleSoftcopyPresentationState(
+            referenced_images=[ds], series_instance_uid=hd.UID(), series_number=series_number,
+            sop_instance_uid=hd.UID(), instance_number=1, manufacturer=ALGORITHM,
+            manufacturer_model_name=ALGORITHM, software_versions=_version(),
+            device_serial_number="0", content_label="BRAIXDET",
+            content_description="BRAIxDet detections", graphic_annotations=annotations,
+            graphic_layers=[layer])
+    if pseudonymise_patient:
+        _pseudonymise_patient(pr)
+    return pr
 
 
 def _pseudonymise_patient(ds):
