@@ -10,6 +10,7 @@ SETUP_INPUTS := requirements.txt setup.cfg pyproject.toml tools/install_detectro
 OUT ?= out
 QUICK ?=
 RESUME ?=
+SEEDS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint bench clean-venv
@@ -27,7 +28,8 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) tools/run_demo.py --out $(OUT) $(if $(QUICK),--quick,) $(if $(RESUME),--resume,)
+	$(PY) tools/run_demo.py --out $(OUT) $(if $(QUICK),--quick,) $(if $(RESUME),--resume,) \
+		$(if $(SEEDS),--seeds $(SEEDS),)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)

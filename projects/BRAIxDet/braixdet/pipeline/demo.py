@@ -1,0 +1,162 @@
+"""The README's demo: the whole BRAIxDet method on a synthetic DICOM dataset, on a CPU.
+
+1. writes a synthetic screening dataset in the CBIS-DDSM layout (synthetic_mammo), once
+2. the pipeline with the demo configs (configs/demo/: the paper's configs at 256x128, offline
+   ImageNet EfficientNet-Lite0, short schedules): BRAIxMVCCL and a single-view classifier;
+   Algorithm 1 pseudo-boxes and their hit rate; the rows CAM only, Faster R-CNN, Mean Teacher
+   (multi-view SSL without GradCAM) and BRAIxDet at the 1/8 protocol, for each seed
+3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
+   in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
+"""
+import json
+import os
+import shutil
+import time
+
+from .core import REPO, Pipeline, add_pipeline_arguments
+from .experiments import NOT_RANKED, run_seeds, write_experiments
+from .results import format_classifiers, format_table
+
+METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
+# synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/DESIGN.md
+DEMO = {
+    "full": dict(patients=160, rows=512, cols=320, separation=2.0, size=(256, 128),
+                 stage1_epochs=5.0, det_epochs=3.0),
+    "quick": dict(patients=24, rows=256, cols=160, separation=2.0, size=(128, 64),
+                  stage1_epochs=2.0, det_epochs=1.0),
+}
+DATA_SEED = 0  # one synthetic dataset for every seed: seeds vary the split and the training
+CHANCE_AUC = 0.6  # below this the classifier learned nothing: say so next to the table
+
+
+def make_data(root, spec, seed=DATA_SEED):
+    """Generate the synthetic dataset once; a marker beside it (not inside) records the spec."""
+    marker = root.rstrip("/") + ".json"
+    want = {k: spec[k] for k in ("patients", "rows", "cols", "separation")} | {"seed": seed}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == want:
+                print(f"=== [data] reusing {root}")
+                return
+    from synthetic_mammo import make_synthetic_dataset
+
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"=== [data] synthetic dataset: {spec['patients']} patients -> {root}", flush=True)
+    make_synthetic_dataset(root, patients=spec["patients"], image_size=(spec["rows"], spec["cols"]),
+                           lesion_rate=0.7, seed=seed, separation=spec["separation"],
+                           progress=True)
+    with open(marker, "w") as f:
+        json.dump(want, f)
+
+
+def draw_overlays(out_dir, det_dir, test_name, n=4):
+    """GT (blue) and BRAIxDet teacher detections (red) on a few malignant test images."""
+    from detectron2.data import DatasetCatalog
+
+    from ..data.dicom import read_dicom_image
+    from ..evaluation.overlay import draw_overlay
+    from ..utils import safe_output_path
+
+    det_file = os.path.join(det_dir, "inference", "model", test_name, "detections_coco.json")
+    if not os.path.exists(det_file):
+        return []
+    with open(det_file) as f:
+        dets = json.load(f)
+    test = [d for d in DatasetCatalog.get(test_name) if d.get("annotations")][:n]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for d in test:
+        img, _ = read_dicom_image(d["file_name"])
+        mine = [r for r in dets if r.get("braixdet_image_id") == str(d["image_id"])]
+        mine = sorted(mine, key=lambda r: -r["score"])[:3]
+        boxes = [[x, y, x + w, y + h] for x, y, w, h in (r["bbox"] for r in mine)]
+        png = safe_output_path(out_dir, d["image_id"], ".png")
+        draw_overlay(img, [a["bbox"] for a in d["annotations"]], boxes,
+                     [r["score"] for r in mine], png)
+        written.append(png)
+    return written
+
+
+def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
+    h, w = spec["size"]
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else \
+        f"seeds {', '.join(map(str, seeds))} (mean ± std, ddof=1)"
+    lines = [f"# BRAIxDet demo ({'quick' if quick else 'full'})", "",
+             f"Synthetic CBIS-DDSM-layout data: {spec['patients']} patients, "
+             f"{spec['rows']}x{spec['cols']} DICOMs (lesion separation {spec['separation']}); "
+             f"canonical input {h}x{w}; 1/8 partially labelled protocol, {seed_text}; "
+             f"{spec['stage1_epochs']:g} stage-1 and {spec['det_epochs']:g} stage-2 epochs on "
+             f"CPU; total {minutes:.1f} min.", "", tables, "", NOT_RANKED +
+             (" One seed shows no spread: run `tools/run_demo.py --seeds 0 1 2` for it."
+              if len(seeds) == 1 else "")]
+    q = summary.get("cam_quality")
+    if q:
+        lines += ["", f"GradCAM pseudo-boxes on D_w: {100 * q['box_hit_rate']:.1f}% of "
+                  f"{q['boxes']} boxes hit a lesion, {100 * q['lesion_hit_rate']:.1f}% of "
+                  f"{q['lesions']} lesions hit (IoU >= 0.2)."]
+    weak = [n for n, m in summary["classifiers"].items()
+            if (m.get("test", {}).get("AUC") or 0.0) < CHANCE_AUC]
+    if weak:
+        lines += ["", f"**Warning**: test AUC below {CHANCE_AUC} for {', '.join(weak)}: the "
+                  "classifier is near chance, so its GradCAM boxes and the detectors it "
+                  "initialises carry little signal in this run."]
+    lines += ["", "Overlays: " + ", ".join(os.path.relpath(p, out) for p in overlays)]
+    return "\n".join(lines) + "\n"
+
+
+def pipeline_args(root, out, spec, base, seed):
+    import argparse
+
+    h, w = spec["size"]
+    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
+        "--dataset", "cbis_ddsm", "--root", root, "--ratio", "1/8", "--seed", str(seed),
+        "--out", out, "--configs", os.path.join(REPO, "configs", "demo"),
+        "--methods", *METHODS, "--num-gpus", "1",
+        "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
+        "INPUT.BRAIXDET.CACHE_DIR", os.path.join(base, "cache"),  # survives re-runs
+        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["stage1_epochs"]),
+        "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["det_epochs"])])
+
+
+def run_demo(out="out", quick=False, seeds=(0,), resume=False):
+    """The demo into <out>/demo (or demo_quick); one seed there, several in <out>/demo/s<seed>
+    with the mean ± std table. Returns the (first seed's or the seeds') summary."""
+    t0 = time.time()
+    seeds = list(seeds)
+    spec = DEMO["quick" if quick else "full"]
+    base = os.path.abspath(out)
+    out = os.path.join(base, "demo_quick" if quick else "demo")
+    if not resume:
+        shutil.rmtree(out, ignore_errors=True)
+    root = os.path.join(base, "data_quick" if quick else "data")
+    make_data(root, spec)
+    args = pipeline_args(root, out, spec, base, seeds[0])
+    one = len(seeds) == 1
+    per_seed = run_seeds(args, seeds, out, per_seed_out=(lambda s: out) if one else None)
+    first = Pipeline(args if one else pipeline_args(root, os.path.join(out, f"s{seeds[0]}"),
+                                                    spec, base, seeds[0]))
+    if one:
+        summary = per_seed[0]
+        tables = (format_table(summary["results"]) + "\n\n"
+                  + format_classifiers(summary["classifiers"]))
+    else:
+        tables, _ = write_experiments(per_seed, seeds, out, (time.time() - t0) / 60)
+        summary = per_seed[0]
+    overlays = _overlays(first, out)
+    text = report(tables, summary, spec, quick, seeds, (time.time() - t0) / 60, overlays, out)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+    print("\n" + text)
+    print(f"outputs in {out}")
+    return summary
+
+
+def _overlays(pipeline, out):
+    from ..engine.setup import build_cfg, register_and_assign_datasets
+
+    # the pipeline's own dataset overrides, so the overlays see the same registered split
+    cfg = build_cfg(os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"),
+                    [*pipeline.common, "OUTPUT_DIR", os.path.join(out, "overlays_tmp")])
+    register_and_assign_datasets(cfg)
+    return draw_overlays(os.path.join(out, "overlays"), pipeline.dir("braixdet"),
+                         pipeline.test_name())
