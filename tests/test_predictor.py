@@ -352,7 +352,7 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
     _predict_tool().main([
         "--config-file", DEMO, "--weights", setup["weights"], "--input", str(exam), "--out",
         str(out), "--format", "sr", "--sr-pseudonymise", "--views-csv", str(csv),
-        "--no-overlays", "--workers", "0", *TINY,
+        "--no-overlays", "--workers", "0", "--score-thresh", "0.3", *TINY,
         "INPUT.BRAIXDET.CACHE_DIR", str(setup["tmp"] / "eval_cache")])
     assert not (out / "predictions.json").exists()
     assert json.loads((out / "report.json").read_text())["counts"]["views_csv_override"] == 4
