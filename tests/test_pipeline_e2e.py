@@ -1,7 +1,8 @@
 """End to end: the two-stage pipeline on tiny synthetic DICOMs, exam inference, no identifiers.
 
-One module-scoped pipeline run (tools/run_pipeline.py with the demo configs at 128x64 and a few
-iterations per stage) feeds every test here.
+One module-scoped pipeline run (tools/run_experiments.py, one seed, with the demo configs at
+128x64, narrow heads and a few iterations per stage) feeds most tests here; the stop/resume and
+full-protocol tests start from copies of its stage-1 folders.
 """
 import json
 import math
@@ -21,22 +22,35 @@ def _env():
     return env
 
 
+DET_OPTS = ["SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "2", "SOLVER.CHECKPOINT_PERIOD", "1",
+            "SSL.CAM_FUSION_ITERS", "2", "MODEL.FPN.OUT_CHANNELS", "32",
+            "MODEL.RPN.POST_NMS_TOPK_TRAIN", "50", "MODEL.RPN.POST_NMS_TOPK_TEST", "50",
+            "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "32", "MODEL.ROI_BOX_HEAD.FC_DIM", "64"]
+STAGE1_OPTS = ["SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "0",
+               "MODEL.BRAIXDET.CLS_HIDDEN_DIM", "32"]
+
+
+def pipeline_argv(root, out, methods=("braixdet",), protocol="partial"):
+    """tools/run_pipeline.py arguments of the tiny runs of this module (one seed, 0)."""
+    return ["--dataset", "cbis_ddsm", "--root", str(root), "--ratio", "1/8", "--protocol",
+            protocol, "--out", str(out), "--configs", os.path.join(REPO, "configs", "demo"),
+            "--methods", *methods,
+            "--opts", *SIZE, "SOLVER.IMS_PER_BATCH", "2", "SOLVER.CHECKPOINT_PERIOD", "100",
+            "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "2", "DATALOADER.NUM_WORKERS", "0",
+            "MODEL.BRAIXDET.LCM.EMBED_DIM", "32", "MODEL.BRAIXDET.LCM.OUT_DIM", "32",
+            "--stage1-opts", *STAGE1_OPTS, "--det-opts", *DET_OPTS]
+
+
 @pytest.fixture(scope="module")
 def pipeline_run(synthetic_root, tmp_path_factory):
-    """tools/run_experiments.py over two seeds (each a tools/run_pipeline.py run); the tests
-    below look at seed 0's pipeline folder and at the two-seed summary."""
+    """tools/run_experiments.py over one seed (a pipeline run with CAM only, Faster R-CNN and
+    BRAIxDet); the tests below look at its pipeline folder and its summary."""
     exp = tmp_path_factory.mktemp("experiments")
     out = exp / "s0"
     before = tree_digest(synthetic_root.root)
+    argv = pipeline_argv(synthetic_root.root, exp, ("cam_only", "faster_rcnn", "braixdet"))
     cmd = [sys.executable, os.path.join(REPO, "tools", "run_experiments.py"), "--seeds", "0",
-           "1", "--dataset", "cbis_ddsm", "--root", str(synthetic_root.root), "--ratio", "1/8",
-           "--out", str(exp), "--configs", os.path.join(REPO, "configs", "demo"),
-           "--methods", "cam_only", "faster_rcnn", "braixdet",
-           "--opts", *SIZE, "SOLVER.IMS_PER_BATCH", "2", "SOLVER.CHECKPOINT_PERIOD", "100",
-           "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "2",
-           "--stage1-opts", "SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "0",
-           "--det-opts", "SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "2",
-           "SSL.CAM_FUSION_ITERS", "2"]
+           *argv]
     log = exp / "experiments.log"
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
@@ -46,34 +60,52 @@ def pipeline_run(synthetic_root, tmp_path_factory):
             "root": synthetic_root.root, "summary": synthetic_root.summary}
 
 
+ROWS = {"CAM only (LayerCAM res4)", "CAM only (GradCAM res5 (paper))", "Faster R-CNN",
+        "BRAIxDet"}
+
+
 def test_experiments_summarise_seeds_with_the_paper_table(pipeline_run):
     exp = pipeline_run["exp"]
     summary = json.loads((exp / "summary.json").read_text())
-    assert summary["seeds"] == [0, 1]
+    assert summary["seeds"] == [0]
+    assert {r["method"] for r in summary["rows"]} == ROWS
+    md = (exp / "summary.md").read_text()
+    assert "BRAIxDet (p-value vs " in md and "| mvccl |" in md and "not ranked" in md
+    assert (exp / "s0" / "splits" / "cbis_ddsm_split_r1_8_s0.json").exists()
+
+
+def test_paper_table_over_two_seeds(pipeline_run):
+    """Two seeds (the run's and a shifted copy): mean ± std per row, BRAIxDet tested against
+    the second best row by mean AP, as in the paper's tables."""
+    from braixdet.pipeline.results import paper_table
+
+    s0 = json.loads((pipeline_run["out"] / "results.json").read_text())
+    s1 = json.loads(json.dumps(s0))
+    s1["protocol"]["seed"] = 1
+    for m in s1["results"].values():
+        m.setdefault("bbox", m)["AP20"] = float(m.get("bbox", m)["AP20"]) + 2.0
+    md, summary = paper_table([s0, s1])
     rows = {r["method"]: r for r in summary["rows"]}
-    assert set(rows) == {"CAM only (LayerCAM res4)", "CAM only (GradCAM res5 (paper))",
-                         "Faster R-CNN", "BRAIxDet"}
-    assert all(r["n"] == 2 for r in rows.values())
-    # BRAIxDet is tested against the second best row by mean AP, as in the paper's tables
+    assert set(rows) == ROWS and all(r["n"] == 2 for r in rows.values())
+    ap0 = float(s0["results"]["Faster R-CNN"].get("bbox", s0["results"]["Faster R-CNN"])["AP20"])
+    assert rows["Faster R-CNN"]["AP20_mean"] == pytest.approx(ap0 + 1.0)
+    assert rows["Faster R-CNN"]["AP20_std"] == pytest.approx(2 ** 0.5)
     others = {k: v["AP20_mean"] for k, v in rows.items() if k != "BRAIxDet"}
     assert summary["second_best"] == max(others, key=others.get)
-    md = (exp / "summary.md").read_text()
-    assert "BRAIxDet (p-value vs " in md and "| mvccl |" in md and " ± " in md
-    for seed in (0, 1):  # each seed has its own split
-        assert (exp / f"s{seed}" / "splits" / f"cbis_ddsm_split_r1_8_s{seed}.json").exists()
+    assert summary["seeds"] == [0, 1] and " ± " in md
 
 
 def test_pipeline_produces_every_artefact(pipeline_run):
     out = pipeline_run["out"]
-    for rel in ["mvccl/model_final.pth", "classifier_single_view/model_final.pth",
-                "mvccl/gradcam_pseudo_boxes.json", "braixdet/model_export.pth",
-                "faster_rcnn/model_export.pth", "results.json"]:
+    for rel in ["mvccl/model_final.pth", "mvccl/model_export.pth",
+                "classifier_single_view/model_final.pth", "mvccl/gradcam_pseudo_boxes.json",
+                "braixdet/model_export.pth", "faster_rcnn/model_export.pth", "results.json",
+                "mvccl/stage_done.json", "gradcam/stage_done.json", "braixdet/stage_done.json"]:
         assert (out / rel).exists(), rel
     summary = json.loads((out / "results.json").read_text())
     res = summary["results"]
     # the demo configs use LayerCAM at res4: the paper's GradCAM at res5 is scored too
-    assert set(res) == {"CAM only (LayerCAM res4)", "CAM only (GradCAM res5 (paper))",
-                        "Faster R-CNN", "BRAIxDet"}
+    assert set(res) == ROWS
     for name, metrics in res.items():
         m = metrics.get("bbox", metrics)
         for key in ("AP20", "R@0.5"):
@@ -81,12 +113,14 @@ def test_pipeline_produces_every_artefact(pipeline_run):
     assert set(summary["classifiers"]) == {"mvccl", "classifier_single_view"}
     assert "AUC" in summary["classifiers"]["mvccl"]["test"]  # None when one class only
     assert summary["cam_quality"]["images_with_known_lesions"] >= 0
+    # stage 2 starts from the stage-1 classifier selected on validation (issue 20 item 5)
+    assert summary["stage1_models"]["mvccl"] == str(out / "mvccl" / "model_export.pth")
     # evaluator artefacts: FROC curve (CSV + PNG) and COCO-style detections, per method
     for stage in ("braixdet", "faster_rcnn", "cam_only_layercam_res4"):
         files = {f for _, _, fs in os.walk(out / stage) for f in fs}
         assert {"froc.csv", "froc.png", "detections_coco.json", "metrics.json"} <= files, stage
     assert "| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |" in pipeline_run["log"]
-    assert "##### seed 1 (2/2)" in pipeline_run["log"]  # progress while it runs
+    assert "##### seed 0 (1/1)" in pipeline_run["log"]  # progress while it runs
 
 
 def test_baseline_starts_from_the_single_view_classifier(pipeline_run):
@@ -96,7 +130,7 @@ def test_baseline_starts_from_the_single_view_classifier(pipeline_run):
     frcnn = (out / "logs" / "faster_rcnn.log").read_text()
     assert f"Initialised detector from classifier {out / 'classifier_single_view'}" in frcnn
     bx = (out / "logs" / "braixdet.log").read_text()
-    assert f"Initialised detector from classifier {out / 'mvccl'}" in bx
+    assert f"Initialised detector from classifier {out / 'mvccl' / 'model_export.pth'}" in bx
     single = (out / "classifier_single_view" / "config.yaml").read_text()
     assert "MULTI_VIEW: false" in single
 
@@ -281,3 +315,87 @@ def test_cam_only_rows_show_the_paper_and_the_localising_heatmap(tmp_path, monke
     assert sorted(scored) == [("gradcam", "res5"), ("layercam", "res4")]
     assert list(rows)[0] == f"CAM only ({first})"
     assert set(rows) == {"CAM only (GradCAM res5 (paper))", "CAM only (LayerCAM res4)"}
+
+
+def _copy_stage1(src, dest, stages=("mvccl", "classifier_single_view", "gradcam")):
+    """A pipeline folder holding only ``src``'s finished stage-1 stages (and pseudo-boxes)."""
+    import shutil
+
+    for stage in stages:
+        shutil.copytree(src / stage, dest / stage, symlinks=True)
+
+
+def _processes_mentioning(text):
+    """PIDs of live processes whose command line contains ``text``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_sigterm_stops_the_stage_and_a_rerun_resumes_to_the_same_table(pipeline_run, tmp_path):
+    """Issue 21 items 3 and 11: SIGTERM to run_pipeline.py during stage 2 (after its first
+    checkpoint) stops the stage's whole process group: exit 143, no process left, the
+    OUTPUT_DIR lock free, no done-marker (although model_export.pth may exist). The re-run
+    resumes from last_checkpoint and ends with the uninterrupted run's BRAIxDet metrics."""
+    import signal
+    import time
+
+    from braixdet.engine.output_lock import acquire_output_lock
+
+    out = tmp_path / "stopped"
+    _copy_stage1(pipeline_run["out"], out)
+    cmd = [sys.executable, os.path.join(REPO, "tools", "run_pipeline.py"),
+           *pipeline_argv(pipeline_run["root"], out, ("braixdet",))]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "braixdet" / "last_checkpoint").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        text = proc.communicate(timeout=90)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "[braixdet] stopped by signal" in text
+    assert not _processes_mentioning(str(out)), "a stage process outlived the pipeline"
+    assert not (out / "braixdet" / "stage_done.json").exists()
+    acquire_output_lock(str(out / "braixdet")).release()  # free: no stale owner
+
+    text = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          check=True).stdout
+    assert "[mvccl] skipped" in text and "[braixdet] skipped" not in text
+    log = (out / "logs" / "braixdet.log").read_text()
+    assert "Resuming from" in log or "resum" in log.lower(), log[-2000:]
+    got = json.loads((out / "results.json").read_text())["results"]["BRAIxDet"]
+    want = json.loads((pipeline_run["out"] / "results.json").read_text())["results"]["BRAIxDet"]
+    assert got == want
+
+
+def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, capsys):
+    """Issue 20 item 1: --protocol full (D_w empty) runs through run_pipeline.main(); BRAIxDet
+    trains as its supervised multi-view detector on every box, and the pipeline says so.
+    Stage 1 (trained on D_s ∪ D_w, the same images under both protocols) is copied."""
+    import importlib.util
+
+    out = tmp_path / "full"
+    _copy_stage1(pipeline_run["out"], out, ("mvccl", "classifier_single_view"))
+    spec = importlib.util.spec_from_file_location(
+        "run_pipeline_tool", os.path.join(REPO, "tools", "run_pipeline.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    summary = tool.main(pipeline_argv(pipeline_run["root"], out, ("faster_rcnn", "braixdet"),
+                                      protocol="full"))
+    text = capsys.readouterr().out
+    assert "full protocol: no weakly labelled images, trained without SSL" in text
+    assert set(summary["results"]) == {"Faster R-CNN", "BRAIxDet"}
+    assert summary["cam_quality"] is None and not (out / "gradcam").exists()
+    for m in summary["results"].values():
+        assert math.isfinite(float(m.get("bbox", m)["AP20"]))

@@ -13,83 +13,15 @@ Boxes are in original DICOM pixels; `--canonical` draws on the canonical (croppe
 resized) image instead, mapping the boxes with the preprocessing transform.
 """
 import argparse
-import json
 import logging
-import os
 import sys
-from collections import defaultdict
 
-import numpy as np
-
-from braixdet.evaluation.overlay import draw_overlay
-from braixdet.utils import safe_output_path
-
-logger = logging.getLogger("braixdet.visualize")
-
-
-def load_predictions(path):
-    """{image key (str): (boxes (N, 4) XYXY original px, scores (N,))}."""
-    with open(path) as f:
-        data = json.load(f)
-    out = defaultdict(lambda: ([], []))
-    if isinstance(data, dict) and "images" in data:  # tools/predict.py
-        for rec in data["images"]:
-            key = str(rec.get("sop_instance_uid", rec.get("image_id")))
-            for d in rec.get("detections", []):
-                out[key][0].append(d["box_xyxy"])
-                out[key][1].append(d["score"])
-    elif isinstance(data, list):  # COCO results
-        id_map = {}
-        gt_path = os.path.join(os.path.dirname(os.path.abspath(path)), "gt_coco.json")
-        if os.path.exists(gt_path):
-            with open(gt_path) as f:
-                id_map = {im["id"]: str(im.get("braixdet_image_id", im.get("file_name")))
-                          for im in json.load(f)["images"]}
-        for d in data:
-            key = str(d.get("braixdet_image_id", id_map.get(d["image_id"], d["image_id"])))
-            x, y, w, h = d["bbox"]
-            out[key][0].append([x, y, x + w, y + h])
-            out[key][1].append(d["score"])
-    else:
-        raise ValueError(f"{path}: unknown predictions format")
-    return {k: (np.asarray(b, dtype=np.float64).reshape(-1, 4), np.asarray(s, dtype=np.float64))
-            for k, (b, s) in out.items()}
-
-
-def _gt_boxes(record):
-    from detectron2.structures import BoxMode
-
-    boxes = [BoxMode.convert(list(a["bbox"]), a.get("bbox_mode", BoxMode.XYXY_ABS),
-                             BoxMode.XYXY_ABS) for a in record.get("annotations", [])]
-    return np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
-
-
-def load_image(file_name, laterality=None, canonical_params=None):
-    """(image01, box mapping fn): original image with identity, or canonical with its transform."""
-    from braixdet.data.dicom import read_dicom_image  # lazy: heavy imports, optional tool
-
-    img, meta = read_dicom_image(file_name)
-    if canonical_params is None:
-        return img, (lambda b: b), meta
-    from braixdet.data.preprocess import canonicalize
-
-    canon, tfm, _ = canonicalize(img, laterality or meta.laterality, canonical_params)
-    return canon, (lambda b: tfm.apply_box(b) if len(b) else b), meta
-
-
-def render(items, out_dir, score_thresh=0.0, canonical_params=None, max_images=None,
-           max_side=2048):
-    """items: iterable of (key, file_name, laterality, gt_boxes, (boxes, scores)); returns paths."""
-    written = []
-    for key, file_name, laterality, gt, (boxes, scores) in items:
-        if max_images is not None and len(written) >= max_images:
-            break
-        keep = scores >= score_thresh
-        img, to_img, _ = load_image(file_name, laterality, canonical_params)
-        path = safe_output_path(out_dir, key, ".png")
-        draw_overlay(img, to_img(gt), to_img(boxes[keep]), scores[keep], path, max_side=max_side)
-        written.append(path)
-    return written
+from braixdet.evaluation.visualize import (
+    dataset_items,
+    dicom_items,
+    load_predictions,
+    render,
+)
 
 
 def main(argv=None):
@@ -115,9 +47,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO)
 
     preds = load_predictions(args.predictions) if args.predictions else {}
-    empty = (np.zeros((0, 4)), np.zeros(0))
-    params = None
-    cfg = None
+    params = cfg = None
     if args.config_file or args.dataset:
         from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
@@ -128,28 +58,10 @@ def main(argv=None):
         from braixdet.data.preprocess import PreprocessParams
 
         params = PreprocessParams.from_cfg(cfg) if cfg is not None else PreprocessParams()
-
     if args.dataset:
-        from detectron2.data import DatasetCatalog
-
-        items = []
-        for d in DatasetCatalog.get(args.dataset):
-            gt = _gt_boxes(d)
-            if args.only_with_lesions and len(gt) == 0:
-                continue
-            key = str(d["image_id"])
-            items.append((key, d["file_name"], d.get("laterality"), gt, preds.get(key, empty)))
+        items = dataset_items(args.dataset, preds, args.only_with_lesions)
     else:
-        from braixdet.data.dicom import read_dicom_meta
-
-        key = args.image_id
-        if key is None:
-            meta = read_dicom_meta(args.dicom)
-            key = meta.sop_uid if meta.sop_uid in preds or len(preds) != 1 else next(iter(preds))
-        if preds and key not in preds:
-            logger.warning("no predictions for %s in %s", key, args.predictions)
-        items = [(key, args.dicom, None, np.zeros((0, 4)), preds.get(key, empty))]
-
+        items = dicom_items(args.dicom, preds, args.image_id, args.predictions)
     written = render(items, args.out, args.score_thresh, params, args.max_images, args.max_side)
     print(f"wrote {len(written)} PNG(s) to {args.out}", file=sys.stderr)
     return written
