@@ -93,6 +93,15 @@ class CanonicalCache:
         h = hashlib.sha1(ident.encode("utf-8")).hexdigest()
         return os.path.join(self.root, h[:2], h)
 
+    def has(self, file_name, laterality=None):
+        """Whether a complete entry of this file's current version exists (image and sidecar,
+        written last; a read still validates it). False for a missing or unreadable file."""
+        try:
+            stem = self.entry_path(file_name, laterality)
+        except OSError:
+            return False
+        return os.path.exists(stem + ".json") and os.path.exists(stem + self.ext)
+
     def get(self, file_name, laterality=None):
         """(canonical float32 (H, W) in [0, 1], TransformList original->canonical)."""
         img, tfm, _ = self.get_with_info(file_name, laterality)
