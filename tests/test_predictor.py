@@ -189,7 +189,8 @@ def test_unreadable_files_are_reported_and_the_others_predicted(setup, tmp_path)
     assert all(r["detections"] for r in records)
     assert json.loads((out / "predictions.json").read_text())["images"] == records
     assert sorted(p.name for p in out.glob("*.png")) == sorted(
-        [r["record_id"] + ".png" for r in records] + ["exam_0.png"])
+        r["record_id"] + ".png" for r in records)
+    assert [p.name for p in (out / "exams").iterdir()] == ["exam_0.png"]
 
 
 def test_private_cache_folder_is_removed_on_close(setup):
@@ -231,7 +232,7 @@ def test_duplicate_sop_uid_gives_one_record_and_file_per_input(setup, tmp_path):
     assert sorted(r["record_id"] for r in records if r["sop_instance_uid"] == uid) == \
         [uid, uid + "_dup2"]
     assert len({r["record_id"] for r in records}) == 5
-    assert len([p for p in out.glob("*.png") if not p.name.startswith("exam_")]) == 5
+    assert len(list(out.glob("*.png"))) == 5
     assert json.loads((out / "report.json").read_text())["counts"]["duplicate_sop_uid"] == 1
 
 
@@ -308,7 +309,8 @@ def test_real_files_predict_tool(setup, tmp_path, capfd):
     files = _real_files()
     out = tmp_path / "out"
     _predict_tool().main(["--config-file", DEMO, "--weights", setup["weights"], "--input",
-                          *files, "--out", str(out), "--score-thresh", "0.3", *TINY,
+                          *files, "--out", str(out), "--score-thresh", "0.3", "--format",
+                          "both", *TINY,
                           "INPUT.BRAIXDET.CACHE_DIR", str(setup["tmp"] / "eval_cache")])
     pred = json.loads((out / "predictions.json").read_text())
     _check_real_predictions(pred["images"], files)
@@ -329,8 +331,8 @@ def test_real_files_predict_tool(setup, tmp_path, capfd):
     assert sorted(pydicom.dcmread(p).GraphicAnnotationSequence[0].ReferencedImageSequence[0]
                   .ReferencedSOPInstanceUID for p in (out / "pr").iterdir()) == \
         sorted(r["sop_instance_uid"] for r in pred["images"])  # one GSPS per image
-    assert sorted(p.name for p in out.glob("exam_*.png")) == ["exam_0.png", "exam_1.png"]
-    assert len(list(out.glob("1.*.png"))) == 8
+    assert sorted(p.name for p in (out / "exams").iterdir()) == ["exam_0.png", "exam_1.png"]
+    assert len(list(out.glob("*.png"))) == 8
     text = (out / "predictions.json").read_text() + (out / "report.json").read_text() + \
         " ".join(p.name for p in out.rglob("*"))
     console = "".join(capfd.readouterr())

@@ -7,9 +7,10 @@
 A thin CLI over ``braixdet.engine.predict_outputs.predict_to_folder`` (``ExamPredictor``: exam
 grouping, CC/MLO pairing, the training pixel path, one encoding per image per exam). Writes
 ``predictions.json`` (per image: boxes in original DICOM pixels and scores; per breast and
-exam: malignancy scores; no patient identifiers or paths), one DICOM SR per exam under ``sr/``
-(TID 1500; it carries the images' patient/study identity unless ``--sr-pseudonymise``),
-``report.json`` (bad or unpaired inputs) and overlay PNGs (per image and per exam).
+exam: malignancy scores; no patient identifiers or paths), with ``--format sr|both`` one DICOM
+SR per exam under ``sr/`` (TID 1500) and a presentation state per image under ``pr/`` (they carry
+the images' patient/study identity unless ``--sr-pseudonymise``), ``report.json`` (bad or
+unpaired inputs) and overlay PNGs (per image, and per exam under ``exams/``).
 """
 import argparse
 import sys
@@ -27,8 +28,8 @@ def main(argv=None):
     ap.add_argument("--weights", required=True, help="model_export.pth or a stage-2 checkpoint")
     ap.add_argument("--input", nargs="+", required=True, help="DICOM files or folders")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--format", choices=sorted(FORMATS), default="both",
-                    help="predictions.json, DICOM SRs, or both (default)")
+    ap.add_argument("--format", choices=sorted(FORMATS), default="json",
+                    help="predictions.json (default), DICOM SR + presentation states, or both")
     ap.add_argument("--sr-pseudonymise", action="store_true",
                     help="research: SRs with a pseudonymised patient module (no name/birth date)")
     ap.add_argument("--views-csv", default=None,

@@ -14,12 +14,12 @@ output folder (one run per folder: ``acquire_output_lock``):
   (``evaluation/sr.py``); the only outputs with the patient / study identity of the images
   (``sr_pseudonymise``: a pseudonymised patient module instead).
 * ``<record_id>.png`` overlays (boxes >= ``overlay_thresh`` on the original image) and
-  ``exam_<k>.png``, the exam's views side by side (R CC, R MLO, L CC, L MLO; our choice).
+  ``exams/exam_<k>.png``, the exam's views side by side (R CC, R MLO, L CC, L MLO; our choice).
 * ``report.json``: one line per bad input, the counts.
 
 A refused output file (a planted symlink) or an unreadable image at overlay time is one
-bad-input line; the run goes on. Default ``formats`` = json + SR (our choice: both outputs a
-screening programme needs; the SRs stay in their own sub-folder).
+bad-input line; the run goes on. Default ``formats`` = json (our choice: the SR is opt-in,
+since it carries patient identity and highdicom builds ~100 findings/s, slow at low thresholds).
 """
 import io
 import logging
@@ -90,7 +90,8 @@ def _overlays(preds, exam_no, out_dir, thresh, allow_for_processing, report):
                                 interpolation=cv2.INTER_AREA))
     if tiles:
         try:
-            _write_png(out_dir, f"exam_{exam_no}", np.hstack(tiles))
+            os.makedirs(os.path.join(out_dir, "exams"), exist_ok=True)
+            _write_png(os.path.join(out_dir, "exams"), f"exam_{exam_no}", np.hstack(tiles))
         except OutputPathRefused as e:
             report.add(BadInputError(e.path, "refused_output", e.reason))
 
@@ -122,7 +123,7 @@ def _write_sr(preds, breasts, exam_score, exam_no, out_dir, score_thresh, pseudo
         _write_dicom(os.path.join(out_dir, "pr"), record_id, pr, report)
 
 
-def predict_to_folder(cfg, weights, inputs, out_dir, *, formats="both", score_thresh=0.05,
+def predict_to_folder(cfg, weights, inputs, out_dir, *, formats="json", score_thresh=0.05,
                       overlay_thresh=0.3, overlays=True, share_features=True, num_workers=2,
                       views_csv=None, sr_pseudonymise=False):
     """Predict ``inputs`` and write the outputs above into ``out_dir``; returns the
