@@ -15,21 +15,18 @@ detections (the "CAM only" row of the paper's ablation) and prints AP / FROC rec
 The heatmap method and layer are MODEL.BRAIXDET.CAM.METHOD / TARGET_LAYER (config overrides).
 """
 import argparse
-import json
 import logging
 import os
 import sys
 
-import torch
 from detectron2.data import DatasetCatalog
 from detectron2.modeling import build_model
-from detectron2.structures import Boxes, Instances
 from detectron2.utils.logger import setup_logger
 
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
-from braixdet.evaluation import MammoDetectionEvaluator
-from braixdet.ssl.cam_boxes import CamSettings, iter_cam_boxes, write_cam_boxes
+from braixdet.evaluation.cam_detector import evaluate_cam_detector, quality_line
+from braixdet.ssl.cam_boxes import CamSettings, write_cam_boxes
 
 logger = logging.getLogger("braixdet.gradcam")
 
@@ -47,31 +44,6 @@ def parse_args(argv=None):
                     help="heatmap threshold τ (default MODEL.BRAIXDET.CAM.TAU)")
     ap.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides KEY VALUE ...")
     return ap.parse_args(argv)
-
-
-def quality_line(q):
-    return (f"GradCAM pseudo-box quality on {q['images_with_known_lesions']} weak images with "
-            f"withheld boxes: {100 * q['box_hit_rate']:.1f}% of {q['boxes']} boxes hit a lesion "
-            f"(IoU >= 0.2), {100 * q['lesion_hit_rate']:.1f}% of {q['lesions']} lesions hit")
-
-
-def evaluate_cam_detector(cfg, model, mapper, settings, dataset, out_dir, batch_size):
-    """CAM-only detector: GradCAM boxes of every image, scored by the classifier probability."""
-    t = cfg.TEST.BRAIXDET
-    evaluator = MammoDetectionEvaluator(dataset, output_dir=out_dir, iou_thresh=t.IOU_THRESH,
-                                        fppi=tuple(t.FROC_FPPI), center_hit=t.CENTER_HIT,
-                                        distributed=False)
-    evaluator.reset()
-    for d, x, boxes, prob in iter_cam_boxes(model, mapper, DatasetCatalog.get(dataset),
-                                            settings, batch_size, desc="CAM detector"):
-        inst = Instances((d["height"], d["width"]))
-        inst.pred_boxes = Boxes(torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4))
-        inst.scores = torch.full((len(boxes),), prob)
-        inst.pred_classes = torch.zeros(len(boxes), dtype=torch.int64)
-        evaluator.process([x], [{"instances": inst}])
-    results = evaluator.evaluate()
-    print(json.dumps(results, indent=1))
-    return results
 
 
 def main(argv=None):
