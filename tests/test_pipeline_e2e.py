@@ -399,3 +399,84 @@ def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, c
     assert summary["cam_quality"] is None and not (out / "gradcam").exists()
     for m in summary["results"].values():
         assert math.isfinite(float(m.get("bbox", m)["AP20"]))
+
+
+def _readme_commands():
+    """(tool, argv) of every `python tools/X.py ...` command in README.md's code blocks."""
+    import re
+    import shlex
+
+    text = open(os.path.join(REPO, "README.md")).read().replace("\\\n", " ")
+    cmds = []
+    for line in text.splitlines():
+        m = re.match(r"\s*python tools/(\w+)\.py\b(.*)", line)
+        if m and "..." not in m.group(2):
+            cmds.append((m.group(1), shlex.split(m.group(2).split("#")[0])))
+    return cmds
+
+
+def test_readme_pipeline_commands_parse_and_name_existing_configs():
+    """The README's tools/ commands parse with today's parsers; the pipeline ones name methods
+    and config files that exist (a renamed flag or method fails here, not on a user's run)."""
+    import importlib.util
+
+    from detectron2.engine import default_argument_parser
+
+    from braixdet.pipeline import METHODS, STAGE1, Pipeline
+
+    cmds = _readme_commands()
+    assert {t for t, _ in cmds} >= {"run_pipeline", "run_experiments", "prepare_dataset",
+                                    "train_net", "gradcam_pseudo_labels"}
+    for tool, argv in cmds:
+        if tool == "train_net":
+            args = default_argument_parser().parse_args(argv)
+            assert os.path.exists(os.path.join(REPO, args.config_file))
+            continue
+        spec = importlib.util.spec_from_file_location(
+            f"readme_{tool}", os.path.join(REPO, "tools", tool + ".py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        if not hasattr(mod, "parse_args"):
+            continue  # parsed inside main(): covered by its own tests
+        args = mod.parse_args(argv)
+        if tool in ("run_pipeline", "run_experiments"):
+            pipe = Pipeline(args)
+            for m in args.methods:
+                if m in METHODS:
+                    assert os.path.exists(pipe.config(METHODS[m].config)), m
+            assert all(os.path.exists(pipe.config(c)) for c in STAGE1.values())
+
+
+def test_a_method_that_needs_another_methods_export_runs_after_it(monkeypatch, tmp_path):
+    """METHODS entries with teacher_from (e.g. STAC's first detector): the pipeline trains the
+    dependency first and passes its export under teacher_key; cycles and half-given pairs are
+    refused."""
+    from braixdet.pipeline import Pipeline, method_order
+    from braixdet.pipeline import methods as m
+
+    monkeypatch.setitem(m.METHODS, "two_step", m.Method(
+        "Two step", "baselines/faster_rcnn.yaml", "classifier_single_view",
+        teacher_from="faster_rcnn", teacher_key="MODEL.WEIGHTS"))
+    assert method_order(["two_step", "braixdet"]) == ["faster_rcnn", "two_step", "braixdet"]
+    monkeypatch.setitem(m.METHODS, "faster_rcnn", m.Method(
+        "loop", "baselines/faster_rcnn.yaml", "mvccl", teacher_from="two_step",
+        teacher_key="MODEL.WEIGHTS"))
+    with pytest.raises(ValueError, match="cycle"):
+        method_order(["two_step"])
+    with pytest.raises(ValueError, match="go together"):
+        m.Method("x", "c.yaml", "mvccl", teacher_from="faster_rcnn")
+    with pytest.raises(ValueError, match="init"):
+        m.Method("x", "c.yaml", "imagenet")
+
+    pipe = Pipeline(__import__("argparse").Namespace(
+        dataset="cbis_ddsm", root=str(tmp_path), csv="", protocol="partial", ratio="1/8",
+        seed=0, out=str(tmp_path / "o"), configs=os.path.join(REPO, "configs", "demo"),
+        methods=["two_step"], num_gpus=1, num_machines=1, machine_rank=0, dist_url="auto",
+        opts=[], stage1_opts=[], det_opts=[]))
+    trained = []
+    monkeypatch.setattr(pipe, "train", lambda name, config, opts: trained.append((name, opts)))
+    monkeypatch.setattr("braixdet.pipeline.core.read_metrics", lambda folder: {})
+    pipe.detector("two_step", {"classifier_single_view": "cls.pth", "mvccl": "mv.pth"}, "")
+    opts = trained[0][1]
+    assert opts[opts.index("MODEL.WEIGHTS") + 1] == str(tmp_path / "o" / "faster_rcnn" /
+                                                          "model_export.pth")

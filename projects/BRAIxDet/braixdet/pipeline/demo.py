@@ -18,7 +18,7 @@ from .experiments import NOT_RANKED, run_seeds, write_experiments
 from .results import format_classifiers, format_table
 
 METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
-# synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/DESIGN.md
+# synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/RESULTS.md §1.5
 DEMO = {
     "full": dict(patients=160, rows=512, cols=320, separation=2.0, size=(256, 128),
                  stage1_epochs=5.0, det_epochs=3.0),

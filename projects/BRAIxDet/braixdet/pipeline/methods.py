@@ -44,7 +44,8 @@ METHODS = {
 }
 CAM_ONLY = "cam_only"
 PAPER_CAM = ("gradcam", "res5")
-# docs/RESULTS.md "GradCAM layers": localised the lesions where GradCAM res5 did not
+# docs/RESULTS.md §2 (which heatmap localises): LayerCAM res4 found the lesions GradCAM res5
+# missed
 LOCALISING_CAM = ("layercam", "res4")
 
 
