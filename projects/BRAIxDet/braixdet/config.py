@@ -7,6 +7,9 @@ from detectron2.config import CfgNode as CN
 
 def add_braixdet_config(cfg):
     """Add every key BRAIxDet reads. Call once on a fresh `get_cfg()` before merging files."""
+    # torch intra-op threads of every stage process (engine/runtime.py): the numbers depend on
+    # it; 0 = torch's default (the machine's cores: other machines, other numbers)
+    cfg.NUM_THREADS = 0
     _set_unsupported_defaults(cfg)
     _add_model_config(cfg)
     _add_input_config(cfg)
@@ -98,8 +101,9 @@ def _add_dataset_config(cfg):
     # A validation split without a lesion has no AP/AUC to select a model or drive the plateau
     # schedule: refused before training unless this is True (then the last model is exported)
     d.ALLOW_LESION_FREE_VAL = False
-    # detection test set: "full" = the fully annotated test images (paper); "full+negatives"
-    # also scores weak label-0 images as lesion-free (weak cancers are never scored)
+    # detection test set (data/protocols.py): "paper" = the fully annotated cancer images only
+    # (paper §4.1; configs/Base-*.yaml); "full" = every fully annotated test image, lesion-free
+    # ones included; "full+negatives" also scores weak label-0 images as lesion-free
     d.TEST_IMAGES = "full"
     d.SPLIT_DIR = ""  # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits
     d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error

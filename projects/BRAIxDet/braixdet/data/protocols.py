@@ -1,10 +1,11 @@
 """Training protocols (paper §4.2): patient-wise splits and the labelled subsets D_s / D_w.
 
 Roles, all patient-wise (a patient's images are in one role only):
-- ``test``: the detection test set = the FULLY ANNOTATED images of the source's test split (paper:
-  "the testing set is similarly defined as the fully-annotated subset"); lesion-free full images
-  included (they count in the FPPI denominator). ``test_images="full+negatives"`` adds the weak
-  label-0 images as lesion-free; a weak cancer (boxes unknown) is never scored as lesion-free.
+- ``test``: the detection test set, from the source's test split, by ``test_images``:
+  ``"paper"``: the fully annotated CANCER images only (paper §4.1: "we remove all non-cancer
+  cases, and all weakly annotated cancer cases"); ``"full"``: every FULLY ANNOTATED image,
+  lesion-free ones included (they add false positives: FPPI denominator); ``"full+negatives"``:
+  also the weak label-0 images as lesion-free. A weak cancer (boxes unknown) is never scored.
 - ``test_cls``: every image of the test split with its label (stage-1 classifier evaluation).
 - ``val``: ``val_fraction`` of the training patients (seeded); their fully annotated images only
   (paper: the validation set has no weakly annotated cases: they cannot select a detector). Their
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("train_full", "train_weak", "train_all", "val", "test", "test_cls")
 PROTOCOLS = ("partial", "full")
-TEST_IMAGES = ("full", "full+negatives")
+TEST_IMAGES = ("paper", "full", "full+negatives")  # the detection test set (module docstring)
 
 
 def parse_ratio(ratio):
@@ -94,8 +95,11 @@ def compute_split(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
     r = parse_ratio(ratio) if protocol == "partial" else Fraction(1)
     test_patients = {d["patient_id"] for d in dicts if d["split"] == "test"}
     test_all = [d for d in dicts if d["patient_id"] in test_patients]
-    test = [d for d in test_all if _is_full(d)
-            or (test_images == "full+negatives" and d["label"] == 0)]
+    if test_images == "paper":
+        test = [d for d in test_all if _is_full(d) and d["label"] == 1]
+    else:
+        test = [d for d in test_all if _is_full(d)
+                or (test_images == "full+negatives" and d["label"] == 0)]
     train = [d for d in dicts if d["patient_id"] not in test_patients]
     train_patients = {d["patient_id"] for d in train}
     # keep >= 1 training patient: val takes at most n - 1

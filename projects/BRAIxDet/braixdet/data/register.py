@@ -2,8 +2,9 @@
 
 Six names per (dataset, protocol, ratio, seed), all backed by ONE lazy load of the source:
 ``{name}_train_full_{rtag}_s{seed}``, ``{name}_train_weak_{rtag}_s{seed}``,
-``{name}_train_all_s{seed}``, ``{name}_val_s{seed}``, ``{name}_test`` (detection: fully
-annotated test images; ``{name}_test_full_neg`` with TEST_IMAGES full+negatives) and
+``{name}_train_all_s{seed}``, ``{name}_val_s{seed}``, the detection test set (by
+DATASETS.BRAIXDET.TEST_IMAGES, ``TEST_NAMES``: ``{name}_test_paper`` with "paper",
+``{name}_test`` with "full", ``{name}_test_full_neg`` with "full+negatives") and
 ``{name}_test_cls`` (every test image with its label, for the classifier).
 The bad-input report goes to ``<split_dir>/<name>_report.json``, the split to
 ``<split_dir>/<name>_split_{rtag}_s{seed}.json``; nothing is written inside the dataset root.
@@ -26,6 +27,10 @@ _LOADED = {}  # RegistrationSpec -> {role: dicts}
 _LOCK = threading.Lock()
 
 
+# the detection test set's name suffix per TEST_IMAGES (protocols.TEST_IMAGES)
+TEST_NAMES = {"paper": "test_paper", "full": "test", "full+negatives": "test_full_neg"}
+
+
 def dataset_names(name, protocol, ratio, seed, test_images="full"):
     rtag = ratio_tag(protocol, ratio)
     return {
@@ -33,7 +38,7 @@ def dataset_names(name, protocol, ratio, seed, test_images="full"):
         "train_weak": f"{name}_train_weak_{rtag}_s{seed}",
         "train_all": f"{name}_train_all_s{seed}",
         "val": f"{name}_val_s{seed}",
-        "test": f"{name}_test" if test_images == "full" else f"{name}_test_full_neg",
+        "test": f"{name}_{TEST_NAMES[test_images]}",
         "test_cls": f"{name}_test_cls",
     }
 
@@ -58,7 +63,7 @@ class RegistrationSpec:
     on_bad_input: str
     malignant_birads: tuple  # vindr_mammo only
     allow_for_processing: bool
-    test_images: str = "full"  # full | full+negatives (protocols.TEST_IMAGES)
+    test_images: str = "full"  # paper | full | full+negatives (protocols.TEST_IMAGES)
 
     @classmethod
     def from_args(cls, fmt, root, name=None, protocol="partial", ratio="1/8", seed=0,
@@ -168,6 +173,8 @@ def register(spec):
                 "report_path": spec.report_path, "split_file": spec.split_file, "role": role,
                 "protocol": spec.protocol, "ratio": spec.rtag, "seed": spec.seed,
                 "dataset_format": spec.format, "registration_key": spec.registration_key(role)}
+        if role == "test":  # the evaluator records which test set it scored
+            meta["test_images"] = spec.test_images
         if ds_name in DatasetCatalog.list():
             old = MetadataCatalog.get(ds_name).get("registration_key", None)
             if old == meta["registration_key"]:

@@ -1,9 +1,19 @@
 """Schedules in epochs (paper: 20 epochs per stage) and the validation metric each stage follows.
 
-An epoch is one pass over the stage's epoch set: stage 1, D_s ∪ D_w (DATASETS.TRAIN) at
-SOLVER.IMS_PER_BATCH; stage 2, D_w (DATASETS.TRAIN_WEAK) at DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
-so that the GradCAM fusion window ("the first 2 of 20 epochs") is 2/20 of the training, and the
-supervised baselines, which read no D_w, train the same number of iterations as the SSL rows.
+An epoch is one pass over the stage's epoch set, per protocol:
+
+* stage 1 (classifier), every protocol: D_s ∪ D_w (DATASETS.TRAIN) at SOLVER.IMS_PER_BATCH;
+* stage 2 (every detector row), protocol "partial": D_w (DATASETS.TRAIN_WEAK) at
+  DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH;
+* stage 2, protocol "full": D_w likewise when it holds images (the source's weakly annotated
+  cases), else D_s (DATASETS.TRAIN) at SOLVER.IMS_PER_BATCH.
+
+Sizing stage 2 by D_w makes the GradCAM fusion window ("the first 2 of 20 epochs") 2/20 of the
+training and lets the supervised baselines, which read no D_w, train the same number of
+iterations as the SSL rows. With an empty D_w (the fully supervised protocol on a source without
+weak cases) there is nothing to pseudo-label: an epoch is a pass over D_s (our choice), and a
+student-teacher config trains its supervised part only (``has_weak_images``; see
+``engine/trainers.trainer_class``).
 ``SOLVER.MAX_ITER`` <= 0 means SOLVER.BRAIXDET.EPOCHS epochs; ``TEST.EVAL_PERIOD`` < 0 and
 ``SOLVER.CHECKPOINT_PERIOD`` <= 0 mean once per epoch (the paper's ReduceLROnPlateau runs per
 epoch). Positive values are iterations and win.
@@ -14,8 +24,8 @@ from dataclasses import dataclass
 
 from detectron2.data import DatasetCatalog
 
-__all__ = ["num_images", "iterations_per_epoch", "resolve_schedule", "validation_metric",
-           "ValidationMetric"]
+__all__ = ["num_images", "has_weak_images", "iterations_per_epoch", "resolve_schedule",
+           "validation_metric", "ValidationMetric"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +34,15 @@ def num_images(dataset_names):
     return sum(len(DatasetCatalog.get(n)) for n in dataset_names)
 
 
+def has_weak_images(cfg):
+    """Whether a detector config has a non-empty D_w (DATASETS.TRAIN_WEAK)."""
+    return bool(cfg.DATASETS.TRAIN_WEAK) and num_images(cfg.DATASETS.TRAIN_WEAK) > 0
+
+
 def iterations_per_epoch(cfg):
-    """(iterations per epoch, what an epoch is) for the stage this config trains."""
-    if cfg.MODEL.META_ARCHITECTURE != "MVCCLClassifier" and cfg.DATASETS.TRAIN_WEAK:
+    """(iterations per epoch, what an epoch is) for the stage this config trains (see the
+    module docstring: D_w for a detector, D_s when D_w is empty, D_s ∪ D_w for stage 1)."""
+    if cfg.MODEL.META_ARCHITECTURE != "MVCCLClassifier" and has_weak_images(cfg):
         names, batch, what = (cfg.DATASETS.TRAIN_WEAK,
                               cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH, "D_w")
     else:

@@ -7,6 +7,7 @@ from detectron2.config import get_cfg
 from ..config import add_braixdet_config, check_supported_keys
 from ..utils.io import refuse_links
 from .checkpoint import safe_torch_load
+from .runtime import apply_num_threads
 from .validate import ConfigValueError, validate_config
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,9 @@ def build_cfg(config_file="", opts=()):
         check_supported_keys(cfg)
     except ValueError as e:  # one line, like every other refused value
         raise ConfigValueError(str(e).split(" ")[0], None, "", message=str(e)) from None
-    return validate_config(cfg)
+    cfg = validate_config(cfg)
+    apply_num_threads(cfg)  # before any computation of this process (engine/runtime.py)
+    return cfg
 
 
 def check_output_dir_links(output_dir):

@@ -39,7 +39,7 @@ from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
 from .checkpoint import AtomicCheckpointer, safe_torch_load
 from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
-from .schedule import num_images, resolve_schedule, validation_metric
+from .schedule import has_weak_images, num_images, resolve_schedule, validation_metric
 
 logger = logging.getLogger(__name__)
 
@@ -466,4 +466,9 @@ def trainer_class(cfg):
     """The trainer for a config: the classifier (stage 1), or a detector with or without SSL."""
     if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
         return MVCCLTrainer
+    if cfg.SSL.ENABLED and not has_weak_images(cfg):
+        # e.g. the fully supervised protocol without weak cases: nothing to pseudo-label
+        logger.warning("SSL.ENABLED but D_w (%s) holds no image: training the supervised part "
+                       "only (BRAIxDetTrainer)", list(cfg.DATASETS.TRAIN_WEAK))
+        return BRAIxDetTrainer
     return StudentTeacherTrainer if cfg.SSL.ENABLED else BRAIxDetTrainer

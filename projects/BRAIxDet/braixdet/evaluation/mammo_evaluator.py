@@ -6,7 +6,7 @@ import os
 from collections import OrderedDict
 
 import numpy as np
-from detectron2.data import DatasetCatalog
+from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.evaluation import DatasetEvaluator
 from detectron2.structures import BoxMode
 from detectron2.utils import comm
@@ -183,6 +183,8 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         coco_id = {i: k + 1 for k, i in enumerate(sorted(gts))}
         meta = {
             "dataset": self._dataset_name,
+            # DATASETS.BRAIXDET.TEST_IMAGES of a registered test set (paper | full | ...)
+            "test_images": MetadataCatalog.get(self._dataset_name).get("test_images", None),
             "bbox": dict(results),
             **screening,
             "units": "percent",
