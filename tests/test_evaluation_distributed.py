@@ -84,7 +84,7 @@ def test_two_process_evaluation_equals_single_process(tmp_path):
         single = run_evaluators(name, str(tmp_path / "single"), distributed=False)
     finally:
         DatasetCatalog.remove(name)
-    assert set(dist_res) == {"bbox", "classification"}
+    assert set(dist_res) == {"bbox", "classification", "screening"}
     for task in ("bbox", "classification"):
         assert list(dist_res[task]) == list(single[task])
         for k, v in single[task].items():
