@@ -183,21 +183,9 @@ class Pipeline:
             opts += ["SSL.CAM_JSON", cam_json]
         if m.teacher_from:
             opts += [m.teacher_key, os.path.join(self.dir(m.teacher_from), EXPORT_NAME)]
-        if self.args.protocol == "full" and self.uses_ssl(m):
-            # our choice: D_w is empty, so there is nothing to pseudo-label; the method trains
-            # as its supervised detector on D_s (all boxes), as in the paper's "fully
-            # labelled" rows
-            print(f"=== [{key}] full protocol: no weakly labelled images, trained without SSL",
-                  flush=True)
-            opts += ["SSL.ENABLED", "False", "SSL.CAM_JSON", ""]
         self.train(key, self.config(m.config), [*opts, *self.args.det_opts])
         # the trainer leaves the exported (best-validation) model's test metrics here
         return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
-
-    def uses_ssl(self, method):
-        from ..engine.setup import build_cfg
-
-        return bool(build_cfg(self.config(method.config), list(method.opts)).SSL.ENABLED)
 
     def classifier_metrics(self, name):
         """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
@@ -217,11 +205,11 @@ class Pipeline:
         uses_cam = any(METHODS[k].cam for k in keys)
         if CAM_ONLY in a.methods or uses_cam:
             needed.add("mvccl")
-        if a.protocol == "full" and uses_cam:
-            # our choice: no weak images, so no pseudo-boxes; BRAIxDet trains on D_s alone
-            print("=== [gradcam] skipped: the full protocol has no weakly labelled images; "
-                  "BRAIxDet trains as its supervised multi-view detector on D_s", flush=True)
-            uses_cam = False
+        if a.protocol == "full":
+            # D_w holds the source's weakly annotated cases only, often none: then the SSL
+            # rows train their supervised part on every box (engine/trainers.trainer_class)
+            print("=== full protocol: SSL rows use D_w only where the source has weakly "
+                  "annotated cases; otherwise they train as supervised detectors", flush=True)
         stage1 = {name: self.stage1(name) for name in STAGE1 if name in needed}
         cam_json = self.gradcam(stage1["mvccl"]) if uses_cam else ""
         results = {}
