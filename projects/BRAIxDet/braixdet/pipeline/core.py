@@ -159,7 +159,7 @@ class Pipeline:
         for method, layer in dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]):
             name = f"cam_only_{method}_{layer}"
             out = self.dir(name)
-            if not os.path.exists(os.path.join(out, "metrics.json")):
+            if not self.skipped(name, out):
                 self.run(name, [
                     *self.tool("gradcam_pseudo_labels.py"),
                     "--config-file", self.config(STAGE1["mvccl"]), "--weights", mvccl_weights,
@@ -167,6 +167,7 @@ class Pipeline:
                     "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts,
                     "MODEL.BRAIXDET.CAM.METHOD", method, "MODEL.BRAIXDET.CAM.TARGET_LAYER",
                     layer])
+                mark_done(out, stage=name)
             paper = " (paper)" if (method, layer) == PAPER_CAM else ""
             label = f"CAM only ({'GradCAM' if method == 'gradcam' else 'LayerCAM'} {layer}" \
                     f"{paper})"
