@@ -237,3 +237,47 @@ def test_register_from_cfg(synthetic_root, tmp_path):
     with pytest.raises(ValueError):  # split files must not go into the dataset folder
         register_braixdet_datasets("exam_csv", synthetic_root.root, name="x",
                                    split_dir=os.path.join(synthetic_root.root, "splits"))
+
+
+def test_paper_test_set_is_the_fully_annotated_cancer_images(tmp_path):
+    """TEST_IMAGES "paper" (paper §4.1): no lesion-free image, no weak cancer; "full" adds the
+    fully annotated lesion-free images; the name and metadata say which one was registered."""
+    dicts = _crafted()
+    paper = split_dataset(dicts, "partial", "1/8", seed=0, test_images="paper")
+    full = split_dataset(dicts, "partial", "1/8", seed=0, test_images="full")
+    assert [d["image_id"] for d in paper["test"]] == ["tst_mal_L_CC", "tst_mal_L_MLO"]
+    assert all(d["label"] == 1 for d in full["test"] if d["image_id"].startswith("tst_mal_L"))
+    assert len(full["test"]) == 10 and {d["label"] for d in full["test"]} == {0, 1}
+    assert paper["test_cls"] == full["test_cls"]  # the classifier's test set is unchanged
+    for role in ("train_full", "train_weak", "val"):  # only the test set depends on it
+        assert paper[role] == full[role]
+    with pytest.raises(ValueError, match="test images"):
+        compute_split(dicts, test_images="cancer")
+
+
+def test_registered_test_set_records_its_composition(synthetic_root, tmp_path):
+    from braixdet.evaluation.mammo_evaluator import MammoDetectionEvaluator
+
+    names = register_braixdet_datasets("cbis_ddsm", synthetic_root.root, name="synthpaper",
+                                       split_dir=str(tmp_path / "splits"), test_images="paper")
+    assert names["test"] == "synthpaper_test_paper"
+    test = DatasetCatalog.get(names["test"])
+    truth = synthetic_root.summary["truth"]
+    assert len(test) == sum(t["split"] == "test" and t["cancer_label"] == 1 for t in truth)
+    assert test and all(d["label"] == 1 and d["annotations"] for d in test)
+    assert MetadataCatalog.get(names["test"]).test_images == "paper"
+    # the evaluator writes it into metrics.json
+    ev = MammoDetectionEvaluator(names["test"], output_dir=str(tmp_path / "eval"))
+    ev.reset()
+    import torch
+    from detectron2.structures import Boxes, Instances
+
+    for d in test:
+        inst = Instances((d["height"], d["width"]))
+        inst.pred_boxes = Boxes(torch.tensor([[0.0, 0.0, 10.0, 10.0]]))
+        inst.scores = torch.tensor([0.5])
+        inst.pred_classes = torch.tensor([0])
+        ev.process([{"image_id": d["image_id"]}], [{"instances": inst}])
+    ev.evaluate()
+    saved = json.load(open(tmp_path / "eval" / "metrics.json"))
+    assert saved["test_images"] == "paper" and saved["num_images"] == len(test)

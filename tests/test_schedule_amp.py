@@ -194,3 +194,78 @@ def test_every_shipped_config_resolves_from_epochs():
         cfg = build_cfg(os.path.join(os.path.dirname(CONFIGS["mvccl"]), "..", "..", path))
         assert cfg.SOLVER.MAX_ITER == -1 and cfg.SOLVER.BRAIXDET.EPOCHS == 20
         assert cfg.TEST.EVAL_PERIOD == -1
+
+
+def test_full_protocol_without_weak_images_sizes_epochs_by_d_s(work):
+    """--protocol full on a source without weak cases: D_w is empty, an epoch is D_s at
+    IMS_PER_BATCH, and a student-teacher config trains its supervised part only."""
+    from braixdet.engine import BRAIxDetTrainer, StudentTeacherTrainer, trainer_class
+
+    epochs = ["DATASETS.BRAIXDET.PROTOCOL", "full", "SOLVER.MAX_ITER", "-1",
+              "SOLVER.BRAIXDET.EPOCHS", "3.0", "TEST.EVAL_PERIOD", "-1",
+              "SOLVER.CHECKPOINT_PERIOD", "-1"]
+    for stage in ("braixdet", "faster_rcnn"):
+        cfg = _cfg(work, stage, epochs)
+        assert DatasetCatalog.get(cfg.DATASETS.TRAIN_WEAK[0]) == []  # CBIS: every image full
+        ipe = math.ceil(len(DatasetCatalog.get(cfg.DATASETS.TRAIN[0]))
+                        / cfg.SOLVER.IMS_PER_BATCH)
+        out = resolve_schedule(cfg)
+        assert (out.SOLVER.MAX_ITER, out.TEST.EVAL_PERIOD) == (3 * ipe, ipe)
+        assert trainer_class(cfg) is BRAIxDetTrainer
+    # with weak images (partial protocol) the SSL trainer is kept
+    assert trainer_class(_cfg(work, "braixdet")) is StudentTeacherTrainer
+
+
+def test_plateau_can_follow_the_validation_bce(work):
+    """SOLVER.BRAIXDET.PLATEAU_METRIC "screening/image_BCE" (the paper's validation BCE, for a
+    detector): minimised, followed by ReduceLROnPlateau and the export; the plateau hook finds
+    detectron2's LRScheduler hook among the trainer's hooks."""
+    from detectron2.engine.hooks import LRScheduler
+
+    from braixdet.engine.schedule import validation_metric
+
+    val = "cbis_ddsm_val_s0"
+    extra = ["DATASETS.BRAIXDET.PROTOCOL", "full", "DATASETS.TEST", repr((val, "cbis_ddsm_test")),
+             "SOLVER.BRAIXDET.PLATEAU_METRIC", "screening/image_BCE",
+             "SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0", "MODEL.BRAIXDET.TIMM_MODEL",
+             "mobilenetv3_small_050", "MODEL.BRAIXDET.PRETRAINED", ""]  # small: 3 evaluations
+    metric = validation_metric(_cfg(work, "faster_rcnn", [*extra, "TEST.EVAL_PERIOD", "1"]))
+    assert (metric.key, metric.mode) == (f"{val}/screening/image_BCE", "min")
+    out = work.dir / "plateau_bce"
+    t = build_trainer("faster_rcnn", tiny_opts(work.root, out, work.cache, stage="faster_rcnn",
+                                               max_iter=2, eval_period=1, extra=extra))
+    log = MetricLog(metric.key)
+    t.register_hooks([log])
+    t.train()
+    assert t.plateau.resolved_key == metric.key and t.plateau.mode == "min"
+    history = [log.values[it] for it in sorted(log.values)]
+    assert len(history) == 2 and all(0 < v < 20 for v in history)
+    export = load_ckpt(out / "model_export.pth")["selected"]
+    assert export["metric"] == metric.key and export["value"] == pytest.approx(min(history))
+    sched = next(h.scheduler for h in t._hooks if isinstance(h, LRScheduler))
+    assert t.plateau._get_scheduler() is sched
+
+
+def test_paper_config_has_torchvision_faster_rcnn_defaults():
+    """Paper configs: torchvision's Faster R-CNN defaults but NMS 0.2 and ROI IoU 0.2 (§4.3)."""
+    from detectron2.modeling import build_model
+
+    path = os.path.join(os.path.dirname(CONFIGS["mvccl"]), "..", "..", "BRAIxDet", "braixdet.yaml")
+    cfg = build_cfg(path, ["MODEL.BRAIXDET.PRETRAINED", "", "MODEL.DEVICE", "cpu"])
+    assert cfg.DATASETS.BRAIXDET.TEST_IMAGES == "paper"
+    model = build_model(cfg)
+    strides = {k: v.stride for k, v in model.backbone.output_shape().items()}
+    assert strides == {"p2": 4, "p3": 8, "p4": 16, "p5": 32, "p6": 64}
+    rpn = model.proposal_generator
+    assert rpn.anchor_generator.strides == [4, 8, 16, 32, 64]
+    assert [a.shape[0] for a in rpn.anchor_generator.cell_anchors] == [3] * 5
+    sides = [float((c[:, 2] - c[:, 0]).mul(c[:, 3] - c[:, 1]).sqrt().mean())
+             for c in rpn.anchor_generator.cell_anchors]
+    assert sides == pytest.approx([32, 64, 128, 256, 512], rel=1e-3)
+    assert (rpn.pre_nms_topk[True], rpn.post_nms_topk[True]) == (2000, 2000)
+    assert (rpn.pre_nms_topk[False], rpn.post_nms_topk[False]) == (1000, 1000)
+    roi = model.roi_heads
+    assert roi.batch_size_per_image == 512 and roi.proposal_matcher.thresholds[1] == 0.2
+    assert roi.in_features == ["p2", "p3", "p4", "p5"]
+    pred = roi.box_predictor
+    assert (pred.test_score_thresh, pred.test_nms_thresh) == (0.05, 0.2)

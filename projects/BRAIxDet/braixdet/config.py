@@ -123,7 +123,9 @@ def _add_solver_config(cfg):
     cfg.SOLVER.CHECKPOINT_PERIOD = -1
     cfg.TEST.EVAL_PERIOD = -1
     # ReduceLROnPlateau (paper: x0.1) on a validation metric, which also selects the exported
-    # detector; "" = stage default (stage 1 classification/BCE, stage 2 bbox/AP20)
+    # detector; "" = stage default (stage 1 classification/BCE, stage 2 bbox/AP20). Stage 2 can
+    # follow the paper's "BCE loss during model validation" with "screening/image_BCE" (BCE of
+    # the max detection score against the image label); a name with "bce"/"loss" is minimised
     s.PLATEAU_FACTOR = 0.1
     s.PLATEAU_PATIENCE = 2  # evaluations without improvement
     s.PLATEAU_METRIC = ""

@@ -26,6 +26,7 @@ import math
 
 import detectron2.utils.comm as comm
 import torch
+from detectron2.engine.hooks import LRScheduler as LRSchedulerHook
 from detectron2.engine.train_loop import HookBase
 
 __all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "check_finite_losses"]
@@ -173,7 +174,7 @@ class ReduceLROnPlateauHook(HookBase):
         # The LRScheduler hook wraps a ParamScheduler into LRMultiplier in its before_train.
         trainer = getattr(self, "trainer", None)
         for h in getattr(trainer, "_hooks", []):
-            sched = getattr(h, "scheduler", None) if type(h).__name__ == "LRScheduler" else None
+            sched = h.scheduler if isinstance(h, LRSchedulerHook) else None
             if isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
                 return sched
         sched = getattr(trainer, "scheduler", None)

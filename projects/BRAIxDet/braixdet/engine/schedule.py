@@ -94,8 +94,10 @@ _LOWER_IS_BETTER = ("bce", "loss")
 
 def validation_metric(cfg):
     """The metric ReduceLROnPlateau and the best export follow: SOLVER.BRAIXDET.PLATEAU_METRIC
-    (default: stage 1 classification/BCE, stage 2 bbox/AP20 of the teacher) on the FIRST
-    dataset of DATASETS.TEST (the validation set); None without periodic evaluation."""
+    (default: stage 1 classification/BCE, stage 2 bbox/AP20 of the teacher; stage 2 follows the
+    paper's validation BCE with "screening/image_BCE") on the FIRST dataset of DATASETS.TEST
+    (the validation set); None without periodic evaluation. Names containing "bce" or "loss"
+    are minimised, every other metric is maximised."""
     if not cfg.DATASETS.TEST or cfg.TEST.EVAL_PERIOD == 0:
         return None
     metric = cfg.SOLVER.BRAIXDET.PLATEAU_METRIC or (

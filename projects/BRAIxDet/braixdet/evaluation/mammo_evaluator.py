@@ -12,6 +12,7 @@ from detectron2.structures import BoxMode
 from detectron2.utils import comm
 from detectron2.utils.file_io import PathManager
 from detectron2.utils.logger import create_small_table
+from sklearn.metrics import log_loss
 
 from .exam_scores import breast_exam_auc, image_score
 from .metrics import average_precision, froc
@@ -153,10 +154,17 @@ class MammoDetectionEvaluator(DatasetEvaluator):
 
     @staticmethod
     def screening(records, dets):
-        """Breast- and exam-level AUC (percent) of the max-detection-score malignancy score."""
-        breast, exam, _, _ = breast_exam_auc(
-            records, {i: image_score(s) for i, (_, s) in dets.items()})
-        return OrderedDict([("breast_AUC", 100.0 * breast), ("exam_AUC", 100.0 * exam)])
+        """Breast- and exam-level AUC (percent) of the max-detection-score malignancy score, and
+        its image-level BCE against the image labels (nats, not percent): the detector's
+        analogue of stage 1's validation BCE (SOLVER.BRAIXDET.PLATEAU_METRIC
+        "screening/image_BCE"; paper §4.3)."""
+        scores = {i: image_score(s) for i, (_, s) in dets.items()}
+        breast, exam, _, _ = breast_exam_auc(records, scores)
+        ids = sorted(scores)
+        bce = log_loss([int(records[i]["label"]) for i in ids],
+                       np.clip([scores[i] for i in ids], 1e-7, 1 - 1e-7), labels=[0, 1])
+        return OrderedDict([("breast_AUC", 100.0 * breast), ("exam_AUC", 100.0 * exam),
+                            ("image_BCE", float(bce))])
 
     def compute(self, gts, dets):
         """Metrics (percent) and the FROC curve dict for numpy GT / detections dicts."""
