@@ -39,6 +39,7 @@ def _add_model_config(cfg):
     # timm feature stages exposed as res2..res5 (strides 4, 8, 16, 32)
     b.OUT_FEATURES = ["res3", "res4", "res5"]
     b.MULTI_VIEW = True  # False: single-view model (the Faster R-CNN baseline)
+    b.ROI_FOCAL_GAMMA = 1.5  # focal loss γ of ROI_HEADS.NAME FocalLossROIHeads (Unbiased Teacher)
     # Local co-occurrence module (cross-view attention on the stride-32 features)
     b.LCM = CN()
     b.LCM.ENABLED = True
@@ -148,6 +149,12 @@ def _add_ssl_config(cfg):
     s.PSEUDO_NMS_THRESH = 0.2  # τ_nms when fusing teacher and CAM boxes
     s.NEGATIVE_AS_BACKGROUND = True  # weak label-0 images train as all-background
     s.TEACHER_SCORE_THRESH = 0.0  # minimal score of the teacher's top-1 box
+    # competitors (ssl/competitors.py): "top1" = Algorithm 2; "threshold" = every teacher box
+    # with score >= TEACHER_SCORE_THRESH (Unbiased Teacher 0.7, Soft Teacher 0.9)
+    s.PSEUDO_LABELS = "top1"
+    s.STRONG_AUG = False  # the student's copy of weak images strongly augmented (UT, ST)
+    s.UNSUP_LOSSES = []  # loss terms kept on pseudo-labelled images; empty = all
+    s.BURN_IN_ITERS = 0  # supervised-only iterations, teacher = student copy (UT burn-in)
 
 
 def _add_test_config(cfg):

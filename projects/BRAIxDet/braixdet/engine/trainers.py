@@ -35,6 +35,12 @@ from ..data.build import (
 )
 from ..evaluation import build_evaluator
 from ..ssl.cam_boxes import cam_boxes_in_input_frame, load_cam_boxes
+from ..ssl.competitors import (
+    StrongAugment,
+    keep_loss_terms,
+    strong_augment,
+    threshold_pseudo_targets,
+)
 from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
 from .checkpoint import AtomicCheckpointer, safe_torch_load
@@ -173,12 +179,21 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         self.use_cam, self.nms_thresh = s.USE_CAM and bool(cam_lookup), s.PSEUDO_NMS_THRESH
         self.negative_as_background = s.NEGATIVE_AS_BACKGROUND
         self.score_thresh = s.TEACHER_SCORE_THRESH
+        if s.PSEUDO_LABELS not in ("top1", "threshold"):
+            raise ValueError(f"SSL.PSEUDO_LABELS must be top1 or threshold, got "
+                             f"{s.PSEUDO_LABELS!r}")
+        self.pseudo_mode = s.PSEUDO_LABELS
+        self.strong_aug = StrongAugment() if s.STRONG_AUG else None
+        self.unsup_losses = tuple(s.UNSUP_LOSSES)
+        self.burn_in_iters = int(s.BURN_IN_ITERS)
 
     def pseudo_targets(self, weak):
         """Algorithm 2 on a weak batch: the teacher's top box, fused with the GradCAM boxes
         while the fusion phase lasts; in the batch's (augmented) input frame."""
         with torch.no_grad(), self.precision.autocast():
             teacher_out = self.teacher.inference(weak, do_postprocess=False)
+        if self.pseudo_mode == "threshold":  # the competitors' multi-box pseudo-labels
+            return threshold_pseudo_targets(teacher_out, weak, self.score_thresh), False
         cam_active = self.use_cam and self.iter < self.fusion_iters
         cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
         targets = make_pseudo_targets(
@@ -192,18 +207,27 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         full, t_full = self.next_batch(self._data_loader_iter)
         weak, t_weak = self.next_batch(self._weak_iter)
         seed_iteration(self.seed, self.iter)  # after the batches (see BRAIxStepTrainer)
-        targets, cam_active = self.pseudo_targets(weak)
-        weak_batch = [dict(w, instances=t) for w, t in zip(weak, targets) if t is not None]
+        burn_in = self.iter < self.burn_in_iters
+        weak_batch, cam_active = [], False
+        if not burn_in:
+            targets, cam_active = self.pseudo_targets(weak)
+            weak_batch = [dict(w, instances=t) for w, t in zip(weak, targets) if t is not None]
+            if self.strong_aug is not None:  # the student's copy only; the teacher saw `weak`
+                weak_batch = [strong_augment(w, self.strong_aug) for w in weak_batch]
 
         with self.precision.autocast():
             loss_dict = dict(self.model(full))
             if weak_batch:
                 # Through the unwrapped student: one DDP forward per backward; the weak
                 # graph's gradients still reach every parameter's all-reduce hook.
-                for k, v in unwrap(self.model)(weak_batch).items():
+                weak_losses = keep_loss_terms(unwrap(self.model)(weak_batch), self.unsup_losses)
+                for k, v in weak_losses.items():
                     loss_dict["weak_" + k] = self.lambda_weak * v
         self.optimize(loss_dict, t_full + t_weak)
-        ema_update(self.teacher, self.model, alpha=self.alpha, bn_mode=self.bn_mode)
+        # burn-in (Unbiased Teacher): the teacher follows the student exactly (alpha 0), so at
+        # its end the teacher is a copy of the supervised student
+        ema_update(self.teacher, self.model, alpha=0.0 if burn_in else self.alpha,
+                   bn_mode=self.bn_mode)
 
         if comm.is_main_process():
             storage = get_event_storage()

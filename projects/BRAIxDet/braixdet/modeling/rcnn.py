@@ -5,8 +5,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from detectron2.config import configurable
-from detectron2.modeling import META_ARCH_REGISTRY, GeneralizedRCNN
+from detectron2.modeling import META_ARCH_REGISTRY, ROI_HEADS_REGISTRY, GeneralizedRCNN
 from detectron2.modeling.postprocessing import detector_postprocess
+from detectron2.modeling.roi_heads import FastRCNNOutputLayers, StandardROIHeads
 from detectron2.structures import Boxes, ImageList, Instances
 from detectron2.utils.file_io import PathManager
 
@@ -14,6 +15,8 @@ from ..utils.modules import unwrap
 
 __all__ = [
     "MultiViewRCNN",
+    "FocalLossROIHeads",
+    "softmax_focal_loss",
     "instances_to_original",
     "load_classifier_weights",
     "load_classifier_weights_from_cfg",
@@ -193,3 +196,40 @@ def load_classifier_weights_from_cfg(detector, cfg) -> Optional[Dict]:
     if report["missing"]:
         logger.warning("Detector tensors not in the classifier: %s", report["missing"][:10])
     return report
+
+
+def softmax_focal_loss(logits: torch.Tensor, targets: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Mean over rows of -(1 - p_t)^gamma log p_t with p_t the softmax probability of the
+    target class (Unbiased Teacher's ROI classifier loss); gamma 0 is cross-entropy."""
+    if logits.numel() == 0:
+        return logits.sum() * 0.0
+    ce = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+    p_t = torch.exp(-ce)
+    return ((1.0 - p_t) ** gamma * ce).mean()
+
+
+class _FocalFastRCNNOutputLayers(FastRCNNOutputLayers):
+    def __init__(self, cfg, input_shape):
+        super().__init__(cfg, input_shape)
+        self.focal_gamma = float(cfg.MODEL.BRAIXDET.ROI_FOCAL_GAMMA)
+
+    def losses(self, predictions, proposals):
+        losses = super().losses(predictions, proposals)
+        scores = predictions[0]
+        gt = torch.cat([p.gt_classes for p in proposals]) if proposals else scores.new_zeros(
+            0, dtype=torch.long)
+        losses["loss_cls"] = softmax_focal_loss(scores, gt, self.focal_gamma) * \
+            self.loss_weight.get("loss_cls", 1.0)
+        return losses
+
+
+@ROI_HEADS_REGISTRY.register()
+class FocalLossROIHeads(StandardROIHeads):
+    """StandardROIHeads whose box classifier is trained with the softmax focal loss
+    (MODEL.BRAIXDET.ROI_FOCAL_GAMMA), as Unbiased Teacher's ROI head."""
+
+    @classmethod
+    def _init_box_head(cls, cfg, input_shape):
+        ret = super()._init_box_head(cfg, input_shape)
+        ret["box_predictor"] = _FocalFastRCNNOutputLayers(cfg, ret["box_head"].output_shape)
+        return ret

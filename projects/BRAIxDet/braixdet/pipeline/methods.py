@@ -41,6 +41,9 @@ METHODS = {
     "mean_teacher": Method("MV + SSL (Mean Teacher)", "baselines/mean_teacher_multiview.yaml",
                            "mvccl"),
     "braixdet": Method("BRAIxDet", "BRAIxDet/braixdet.yaml", "mvccl", cam=True),
+    # competitors of the paper's Tables 1-4 (single view, issue 22)
+    "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
+                               "classifier_single_view"),
 }
 CAM_ONLY = "cam_only"
 PAPER_CAM = ("gradcam", "res5")

@@ -1,0 +1,77 @@
+"""SSL competitors (issue 22): thresholded pseudo-labels, strong augmentation of the student's
+copy, per-term loss masks, the ROI focal loss, and a few iterations of Unbiased Teacher."""
+import os
+
+import pytest
+import torch
+from detectron2.structures import Boxes, Instances
+
+from braixdet.modeling.rcnn import softmax_focal_loss
+from braixdet.ssl.competitors import (
+    StrongAugment,
+    keep_loss_terms,
+    strong_augment,
+    threshold_pseudo_targets,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _teacher(boxes, scores, size=(64, 32)):
+    inst = Instances(size)
+    inst.pred_boxes = Boxes(torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4))
+    inst.scores = torch.tensor(scores, dtype=torch.float32)
+    inst.pred_classes = torch.zeros(len(scores), dtype=torch.long)
+    return inst
+
+
+def test_threshold_keeps_every_box_at_or_above_the_threshold():
+    out = _teacher([[1, 1, 5, 5], [2, 2, 9, 9], [0, 0, 3, 3], [4, 4, 4, 8]],
+                   [0.95, 0.7, 0.69, 0.99])  # the last one is empty: dropped
+    (t,) = threshold_pseudo_targets([out], [{"image": torch.zeros(1, 64, 32)}], 0.7)
+    assert t.gt_boxes.tensor.tolist() == [[1, 1, 5, 5], [2, 2, 9, 9]]
+    assert torch.allclose(t.gt_scores, torch.tensor([0.95, 0.7]))
+    (none,) = threshold_pseudo_targets([out], [{"image": torch.zeros(1, 64, 32)}], 0.999)
+    assert len(none) == 0 and none.image_size == (64, 32)  # an all-background image
+
+
+def test_softmax_focal_loss_matches_a_hand_computation():
+    logits = torch.tensor([[2.0, 0.0], [0.5, 1.5], [0.0, 0.0]])
+    target = torch.tensor([0, 0, 1])
+    p = torch.softmax(logits, 1)[torch.arange(3), target]
+    hand = sum(-((1 - float(q)) ** 1.5) * torch.log(q) for q in p) / 3
+    assert float(softmax_focal_loss(logits, target, 1.5)) == pytest.approx(float(hand), rel=1e-6)
+    ce = torch.nn.functional.cross_entropy(logits, target)
+    assert float(softmax_focal_loss(logits, target, 0.0)) == pytest.approx(float(ce), rel=1e-6)
+
+
+def test_strong_augment_changes_the_students_copy_only_and_moves_its_boxes():
+    torch.manual_seed(0)
+    image = torch.zeros(1, 64, 32)
+    image[:, 20:30, 8:16] = 1.0  # a bright lesion exactly inside the box
+    inst = Instances((64, 32))
+    inst.gt_boxes = Boxes(torch.tensor([[8.0, 20.0, 16.0, 30.0]]))
+    inst.gt_classes = torch.zeros(1, dtype=torch.long)
+    weak = {"image": image, "instances": inst, "image_id": "a"}
+    before = image.clone()
+    aug = StrongAugment(color=0.0, translate=0.2, scale=(1.0, 1.0), cutout_p=0.0)
+    student = strong_augment(weak, aug)
+    assert torch.equal(weak["image"], before) and weak["instances"] is inst  # teacher's copy
+    assert student["image_id"] == "a" and not torch.equal(student["image"], before)
+    ys, xs = torch.nonzero(student["image"][0] > 0.5, as_tuple=True)
+    x0, y0, x1, y1 = student["instances"].gt_boxes.tensor[0].tolist()
+    assert (x0, y0) == pytest.approx((float(xs.min()), float(ys.min())), abs=1.0)
+    assert (x1, y1) == pytest.approx((float(xs.max()) + 1, float(ys.max()) + 1), abs=1.0)
+
+
+def test_unbiased_teacher_trains_no_box_regression_on_pseudo_labels():
+    from braixdet.engine.setup import build_cfg
+
+    cfg = build_cfg(os.path.join(REPO, "configs", "baselines", "unbiased_teacher.yaml"), [])
+    losses = {k: torch.tensor(1.0) for k in
+              ("loss_rpn_cls", "loss_rpn_loc", "loss_cls", "loss_box_reg")}
+    kept = keep_loss_terms(losses, cfg.SSL.UNSUP_LOSSES)
+    assert sorted(kept) == ["loss_cls", "loss_rpn_cls"]
+    assert keep_loss_terms(losses, []) == losses
+    with pytest.raises(KeyError, match="loss_clss"):
+        keep_loss_terms(losses, ["loss_clss"])
