@@ -75,3 +75,27 @@ def test_unbiased_teacher_trains_no_box_regression_on_pseudo_labels():
     assert keep_loss_terms(losses, []) == losses
     with pytest.raises(KeyError, match="loss_clss"):
         keep_loss_terms(losses, ["loss_clss"])
+
+
+def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
+    """Burn-in (teacher = student), then weak losses with classification terms only."""
+    import _train_helpers as th
+
+    monkeypatch.setitem(th.CONFIGS, "unbiased_teacher", os.path.join(
+        REPO, "configs", "demo", "baselines", "unbiased_teacher.yaml"))
+    torch.set_num_threads(1)
+    opts = th.tiny_opts(synthetic_root.root, tmp_path / "ut", tmp_path / "cache",
+                        stage="unbiased_teacher", max_iter=3, extra=[
+                            "SSL.BURN_IN_ITERS", "1", "SSL.TEACHER_SCORE_THRESH", "0.0",
+                            "TEST.BRAIXDET.EVAL_STUDENT", "False"])
+    t = th.build_trainer("unbiased_teacher", opts)
+    assert type(t.model.roi_heads).__name__ == "FocalLossROIHeads"
+    seen = []
+    step = t._trainer
+    optimize = step.optimize
+    monkeypatch.setattr(step, "optimize", lambda d, dt: (seen.append(sorted(d)), optimize(d, dt)))
+    t.train()
+    assert seen[0] == ["loss_box_reg", "loss_cls", "loss_rpn_cls", "loss_rpn_loc"]  # burn-in
+    weak = {k for keys in seen[1:] for k in keys if k.startswith("weak_")}
+    assert weak == {"weak_loss_cls", "weak_loss_rpn_cls"}
+    assert os.path.exists(tmp_path / "ut" / "model_export.pth")

@@ -51,14 +51,15 @@ class StrongAugment:
         self.tfm = v2.Compose([
             v2.ColorJitter(brightness=color, contrast=color),
             v2.RandomAffine(degrees=0, translate=(translate, translate), scale=tuple(scale)),
-            v2.RandomErasing(p=cutout_p, scale=(0.02, 0.1), value=0),
         ])
+        self.cutout = v2.RandomErasing(p=cutout_p, scale=(0.02, 0.1), value=0)  # pixels only
 
     def __call__(self, image, boxes):
         h, w = image.shape[-2:]
         bb = tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(h, w))
         out, out_boxes = self.tfm(tv_tensors.Image(image), bb)
-        return out.as_subclass(torch.Tensor), out_boxes.as_subclass(torch.Tensor)
+        out = self.cutout(out.as_subclass(torch.Tensor))
+        return out, out_boxes.as_subclass(torch.Tensor)
 
 
 def strong_augment(example, augment):
