@@ -70,6 +70,7 @@ class Pipeline:
         ] + list(args.opts)
         self.timings = {}
         self._names = None
+        self.no_weak = False  # the full protocol on a source without weak cases (run_all)
 
     def dir(self, stage):
         return os.path.join(self.out, stage)
@@ -104,6 +105,16 @@ class Pipeline:
             self._names = dataset_names(b.NAME or b.FORMAT, b.PROTOCOL, b.RATIO, b.SEED,
                                         b.get("TEST_IMAGES", "full"))
         return self._names
+
+    def has_weak_images(self):
+        """Whether D_w holds an image (registers the datasets as the stages will)."""
+        from detectron2.data import DatasetCatalog
+
+        from ..engine.setup import build_cfg, register_and_assign_datasets
+
+        cfg = build_cfg(self.config(STAGE1["mvccl"]), [*self.common, *self.args.stage1_opts,
+                                                      "OUTPUT_DIR", self.dir("mvccl")])
+        return len(DatasetCatalog.get(register_and_assign_datasets(cfg)["train_weak"])) > 0
 
     def test_name(self):
         return self.names()["test"]
@@ -184,6 +195,8 @@ class Pipeline:
             opts += ["SSL.CAM_JSON", cam_json]
         if m.teacher_from:
             opts += [m.teacher_key, os.path.join(self.dir(m.teacher_from), EXPORT_NAME)]
+        if self.no_weak:
+            opts += ["SSL.ENABLED", "False", "SSL.CAM_JSON", ""]
         self.train(key, self.config(m.config), [*opts, *self.args.det_opts])
         # the trainer leaves the exported (best-validation) model's test metrics here
         return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
@@ -206,11 +219,13 @@ class Pipeline:
         uses_cam = any(METHODS[k].cam for k in keys)
         if CAM_ONLY in a.methods or uses_cam:
             needed.add("mvccl")
-        if a.protocol == "full":
-            # D_w holds the source's weakly annotated cases only, often none: then the SSL
-            # rows train their supervised part on every box (engine/trainers.trainer_class)
-            print("=== full protocol: SSL rows use D_w only where the source has weakly "
-                  "annotated cases; otherwise they train as supervised detectors", flush=True)
+        self.no_weak = a.protocol == "full" and not self.has_weak_images()
+        if self.no_weak and uses_cam:
+            # our choice: without weak images there is nothing to pseudo-label; the SSL rows
+            # train as their supervised detectors on every box (the paper's "fully labelled")
+            print("=== [gradcam] skipped: the full protocol's D_w holds no image here; SSL rows "
+                  "train as their supervised detectors (SSL.ENABLED False)", flush=True)
+            uses_cam = False
         stage1 = {name: self.stage1(name) for name in STAGE1 if name in needed}
         cam_json = self.gradcam(stage1["mvccl"]) if uses_cam else ""
         results = {}
