@@ -99,3 +99,62 @@ def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     weak = {k for keys in seen[1:] for k in keys if k.startswith("weak_")}
     assert weak == {"weak_loss_cls", "weak_loss_rpn_cls"}
     assert os.path.exists(tmp_path / "ut" / "model_export.pth")
+
+
+def test_background_weighting_matches_the_soft_teacher_formula():
+    from braixdet.ssl.soft_teacher import background_weighted_cls_loss
+
+    logits = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5], [-1.0, 1.0]])
+    gt = torch.tensor([0, 1, 1, 0])  # class 1 is background
+    bg = torch.tensor([0.9, 0.3, 0.1, 0.2])  # the teacher's background scores
+    ce = torch.nn.functional.cross_entropy(logits, gt, reduction="none")
+    hand = (ce[0] + ce[3]) / 2 + (0.3 * ce[1] + 0.1 * ce[2]) / 0.4
+    assert float(background_weighted_cls_loss(logits, gt, bg)) == pytest.approx(float(hand))
+    # all-background image: weights sum to one
+    gt_bg = torch.ones(4, dtype=torch.long)
+    ce_bg = torch.nn.functional.cross_entropy(logits, gt_bg, reduction="none")
+    assert float(background_weighted_cls_loss(logits, gt_bg, bg)) == pytest.approx(
+        float((bg * ce_bg).sum() / bg.sum()))
+
+
+def test_jitter_uncertainty_selects_the_stable_boxes():
+    from braixdet.ssl.soft_teacher import box_uncertainty
+
+    boxes = torch.tensor([[0.0, 0.0, 10.0, 20.0], [0.0, 0.0, 10.0, 20.0]])
+    stable = boxes[0].expand(4, 4).clone()
+    stable[:, 0] += torch.tensor([0.0, 0.1, 0.0, -0.1])  # x0 std = 0.0816
+    shaky = boxes[1].expand(4, 4).clone()
+    shaky[:, 3] += torch.tensor([0.0, 4.0, 0.0, -4.0])  # y1 std = 3.266
+    refined = torch.stack([stable, shaky], dim=1)  # (times, n, 4)
+    unc = box_uncertainty(boxes, refined)
+    s = torch.tensor([0.0, 0.1, 0.0, -0.1]).std()
+    assert unc.tolist() == pytest.approx([float(s / 10 / 4), float(40 * s / 20 / 4)], rel=1e-5)
+    assert (unc < 0.02).tolist() == [True, False]
+
+
+def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
+    """End to end from the first iteration: every loss term on the pseudo-labelled images, the
+    classification one through the background-weighted loss, regression from reliable boxes."""
+    import _train_helpers as th
+    from braixdet.ssl import soft_teacher
+
+    monkeypatch.setitem(th.CONFIGS, "soft_teacher", os.path.join(
+        REPO, "configs", "demo", "baselines", "soft_teacher.yaml"))
+    torch.set_num_threads(1)
+    opts = th.tiny_opts(synthetic_root.root, tmp_path / "st", tmp_path / "cache",
+                        stage="soft_teacher", max_iter=2, extra=[
+                            "SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3",
+                            "TEST.BRAIXDET.EVAL_STUDENT", "False"])
+    t = th.build_trainer("soft_teacher", opts)
+    calls, seen = [], []
+    weighted = soft_teacher.background_weighted_cls_loss
+    monkeypatch.setattr(soft_teacher, "background_weighted_cls_loss",
+                        lambda *a: (calls.append(1), weighted(*a))[1])
+    step = t._trainer
+    optimize = step.optimize
+    monkeypatch.setattr(step, "optimize", lambda d, dt: (seen.append(sorted(d)), optimize(d, dt)))
+    t.train()
+    assert {k for keys in seen for k in keys if k.startswith("weak_")} == {
+        "weak_loss_cls", "weak_loss_box_reg", "weak_loss_rpn_cls", "weak_loss_rpn_loc"}
+    assert calls
+    assert os.path.exists(tmp_path / "st" / "model_export.pth")

@@ -155,6 +155,11 @@ def _add_ssl_config(cfg):
     s.STRONG_AUG = False  # the student's copy of weak images strongly augmented (UT, ST)
     s.UNSUP_LOSSES = []  # loss terms kept on pseudo-labelled images; empty = all
     s.BURN_IN_ITERS = 0  # supervised-only iterations, teacher = student copy (UT burn-in)
+    # Soft Teacher (ssl/soft_teacher.py): background-weighted classification, box jittering
+    s.SOFT_TEACHER = False
+    s.JITTER_TIMES = 10  # jittered copies per pseudo-box
+    s.JITTER_SCALE = 0.06  # jitter std as a fraction of the box's side
+    s.REG_UNCERTAINTY_THRESH = 0.02  # box regression only below this jitter uncertainty
 
 
 def _add_test_config(cfg):

@@ -43,6 +43,7 @@ from ..ssl.competitors import (
 )
 from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
+from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
 from .checkpoint import AtomicCheckpointer, safe_torch_load
 from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
 from .schedule import has_weak_images, num_images, resolve_schedule, validation_metric
@@ -186,6 +187,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         self.strong_aug = StrongAugment() if s.STRONG_AUG else None
         self.unsup_losses = tuple(s.UNSUP_LOSSES)
         self.burn_in_iters = int(s.BURN_IN_ITERS)
+        self.soft_teacher = s.SOFT_TEACHER
+        self.jitter = (s.JITTER_TIMES, s.JITTER_SCALE, s.REG_UNCERTAINTY_THRESH)
 
     def pseudo_targets(self, weak):
         """Algorithm 2 on a weak batch: the teacher's top box, fused with the GradCAM boxes
@@ -212,6 +215,13 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         if not burn_in:
             targets, cam_active = self.pseudo_targets(weak)
             weak_batch = [dict(w, instances=t) for w, t in zip(weak, targets) if t is not None]
+            if self.soft_teacher and weak_batch:  # box jittering, on the teacher's images
+                with self.precision.autocast():
+                    ok = reliable_for_regression(self.teacher, weak_batch,
+                                                 [w["instances"] for w in weak_batch],
+                                                 *self.jitter)
+                for w, flags in zip(weak_batch, ok):
+                    w["instances"].gt_reg_ok = flags
             if self.strong_aug is not None:  # the student's copy only; the teacher saw `weak`
                 weak_batch = [strong_augment(w, self.strong_aug) for w in weak_batch]
 
@@ -220,7 +230,11 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
             if weak_batch:
                 # Through the unwrapped student: one DDP forward per backward; the weak
                 # graph's gradients still reach every parameter's all-reduce hook.
-                weak_losses = keep_loss_terms(unwrap(self.model)(weak_batch), self.unsup_losses)
+                if self.soft_teacher:
+                    weak_losses = soft_teacher_losses(self.model, self.teacher, weak_batch)
+                else:
+                    weak_losses = unwrap(self.model)(weak_batch)
+                weak_losses = keep_loss_terms(weak_losses, self.unsup_losses)
                 for k, v in weak_losses.items():
                     loss_dict["weak_" + k] = self.lambda_weak * v
         self.optimize(loss_dict, t_full + t_weak)

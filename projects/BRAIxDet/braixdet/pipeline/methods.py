@@ -44,6 +44,8 @@ METHODS = {
     # competitors of the paper's Tables 1-4 (single view, issue 22)
     "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
                                "classifier_single_view"),
+    "soft_teacher": Method("Soft Teacher", "baselines/soft_teacher.yaml",
+                           "classifier_single_view"),
 }
 CAM_ONLY = "cam_only"
 PAPER_CAM = ("gradcam", "res5")
