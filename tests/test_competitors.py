@@ -136,13 +136,14 @@ def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     """End to end from the first iteration: every loss term on the pseudo-labelled images, the
     classification one through the background-weighted loss, regression from reliable boxes."""
     import _train_helpers as th
+
     from braixdet.ssl import soft_teacher
 
     monkeypatch.setitem(th.CONFIGS, "soft_teacher", os.path.join(
         REPO, "configs", "demo", "baselines", "soft_teacher.yaml"))
     torch.set_num_threads(1)
     opts = th.tiny_opts(synthetic_root.root, tmp_path / "st", tmp_path / "cache",
-                        stage="soft_teacher", max_iter=2, extra=[
+                        stage="soft_teacher", max_iter=1, extra=[
                             "SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3",
                             "TEST.BRAIXDET.EVAL_STUDENT", "False"])
     t = th.build_trainer("soft_teacher", opts)
@@ -158,3 +159,33 @@ def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
         "weak_loss_cls", "weak_loss_box_reg", "weak_loss_rpn_cls", "weak_loss_rpn_loc"}
     assert calls
     assert os.path.exists(tmp_path / "st" / "model_export.pth")
+
+
+def test_stac_labels_with_the_fixed_supervised_detector(synthetic_root, tmp_path, monkeypatch):
+    """STAC: the teacher is the supervised detector's export and never moves (EMA_ALPHA 1.0),
+    so the pseudo-labels of D_w are those of that detector; the student trains on them."""
+    import _train_helpers as th
+
+    from braixdet.engine.checkpoint import safe_torch_load
+
+    monkeypatch.setitem(th.CONFIGS, "stac", os.path.join(
+        REPO, "configs", "demo", "baselines", "stac.yaml"))
+    torch.set_num_threads(1)
+    sup = th.tiny_opts(synthetic_root.root, tmp_path / "sup", tmp_path / "cache",
+                       stage="faster_rcnn", max_iter=1)
+    th.build_trainer("faster_rcnn", sup).train()
+    export = tmp_path / "sup" / "model_export.pth"
+    opts = th.tiny_opts(synthetic_root.root, tmp_path / "stac", tmp_path / "cache",
+                        stage="stac", max_iter=1, extra=[
+                            "SSL.TEACHER_WEIGHTS", str(export), "SSL.TEACHER_SCORE_THRESH", "0.0",
+                            "TEST.BRAIXDET.EVAL_STUDENT", "False"])
+    t = th.build_trainer("stac", opts)
+    seen = []
+    step = t._trainer
+    optimize = step.optimize
+    monkeypatch.setattr(step, "optimize", lambda d, dt: (seen.append(sorted(d)), optimize(d, dt)))
+    t.train()
+    assert any(k.startswith("weak_") for keys in seen for k in keys)
+    fixed = safe_torch_load(str(export))["model"]
+    teacher = t.teacher.state_dict()
+    assert all(torch.equal(teacher[k], v) for k, v in fixed.items())

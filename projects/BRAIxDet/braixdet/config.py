@@ -160,6 +160,9 @@ def _add_ssl_config(cfg):
     s.JITTER_TIMES = 10  # jittered copies per pseudo-box
     s.JITTER_SCALE = 0.06  # jitter std as a fraction of the box's side
     s.REG_UNCERTAINTY_THRESH = 0.02  # box regression only below this jitter uncertainty
+    # a detector export that the teacher starts from instead of the student (STAC: the
+    # supervised detector; with EMA_ALPHA 1.0 it stays fixed, i.e. labels D_w once)
+    s.TEACHER_WEIGHTS = ""
 
 
 def _add_test_config(cfg):

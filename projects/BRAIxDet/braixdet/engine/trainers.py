@@ -477,8 +477,12 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
     def resume_or_load(self, resume=True):
         super().resume_or_load(resume=resume)
         if not (resume and self.checkpointer.has_checkpoint()):
-            # a fresh run: the teacher starts as a copy of the (initialised) student
-            self.teacher.load_state_dict(unwrap(self.model).state_dict())
+            # a fresh run: the teacher starts as a copy of the (initialised) student, or as
+            # another detector (STAC: the supervised detector that labels D_w)
+            path = self.cfg.SSL.TEACHER_WEIGHTS
+            state = (safe_torch_load(path)["model"] if path else
+                     unwrap(self.model).state_dict())
+            self.teacher.load_state_dict(state)
         apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
 
     def train(self):

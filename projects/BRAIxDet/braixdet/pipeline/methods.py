@@ -44,6 +44,8 @@ METHODS = {
     # competitors of the paper's Tables 1-4 (single view, issue 22)
     "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
                                "classifier_single_view"),
+    "stac": Method("STAC", "baselines/stac.yaml", "classifier_single_view",
+                   teacher_from="faster_rcnn", teacher_key="SSL.TEACHER_WEIGHTS"),
     "soft_teacher": Method("Soft Teacher", "baselines/soft_teacher.yaml",
                            "classifier_single_view"),
 }
