@@ -126,17 +126,14 @@ def build_multiview_train_loader(cfg, dataset_names, total_batch_size, seed, sta
     )
 
 
-def _seed(cfg):
-    return cfg.SEED if cfg.SEED >= 0 else 0
+def train_seed(cfg):
+    """The one base seed of training streams and per-iteration reseeding (SEED < 0: 0)."""
+    return max(int(cfg.SEED), 0)
 
 
-def build_two_stream_loaders(cfg, start_iter=0, full_names=None, weak_names=None, mapper=None):
-    """(full_loader, weak_loader) for the SSL stage: D_s with SOLVER.IMS_PER_BATCH and D_w with
-    DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH, seeds cfg.SEED and cfg.SEED + 1.
-
-    Names default to DATASETS.TRAIN and DATASETS.TRAIN_WEAK; an empty TRAIN_WEAK is filled from
-    the protocol (register_from_cfg(cfg)["train_weak"]).
-    """
+def two_stream_names(cfg, full_names=None, weak_names=None):
+    """(D_s names, D_w names): DATASETS.TRAIN and DATASETS.TRAIN_WEAK, an empty one filled from
+    the protocol (register_from_cfg)."""
     full_names = list(full_names or cfg.DATASETS.TRAIN)
     weak_names = list(weak_names or cfg.DATASETS.TRAIN_WEAK)
     if not weak_names or not full_names:
@@ -145,13 +142,25 @@ def build_two_stream_loaders(cfg, start_iter=0, full_names=None, weak_names=None
         names = register_from_cfg(cfg)
         full_names = full_names or [names["train_full"]]
         weak_names = weak_names or [names["train_weak"]]
-    seed = _seed(cfg)
-    full = build_multiview_train_loader(cfg, full_names, cfg.SOLVER.IMS_PER_BATCH, seed,
+    return full_names, weak_names
+
+
+def build_stream_loader(cfg, stream, names, start_iter=0, mapper=None):
+    """The SSL stage's ``stream`` loader: "full" = D_s with SOLVER.IMS_PER_BATCH and seed
+    train_seed(cfg), "weak" = D_w with DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH and seed + 1."""
+    if stream not in ("full", "weak"):
+        raise ValueError(f"stream must be full or weak, got {stream!r}")
+    weak = stream == "weak"
+    batch = cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH if weak else cfg.SOLVER.IMS_PER_BATCH
+    return build_multiview_train_loader(cfg, names, batch, train_seed(cfg) + int(weak),
                                         start_iter, mapper)
-    weak = build_multiview_train_loader(cfg, weak_names,
-                                        cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH, seed + 1,
-                                        start_iter, mapper)
-    return full, weak
+
+
+def build_two_stream_loaders(cfg, start_iter=0, full_names=None, weak_names=None, mapper=None):
+    """(full_loader, weak_loader) for the SSL stage (see build_stream_loader)."""
+    full_names, weak_names = two_stream_names(cfg, full_names, weak_names)
+    return (build_stream_loader(cfg, "full", full_names, start_iter, mapper),
+            build_stream_loader(cfg, "weak", weak_names, start_iter, mapper))
 
 
 class _TestDataset(torchdata.IterableDataset):

@@ -31,7 +31,9 @@ from detectron2.utils.events import get_event_storage
 from ..data.build import (
     build_multiview_test_loader,
     build_multiview_train_loader,
-    build_two_stream_loaders,
+    build_stream_loader,
+    train_seed,
+    two_stream_names,
 )
 from ..evaluation import build_evaluator
 from ..ssl.cam_boxes import cam_boxes_in_input_frame, load_cam_boxes
@@ -79,7 +81,8 @@ class LazyResumableLoader:
 
 
 def seed_iteration(base_seed: int, iteration: int):
-    """Make in-model randomness (e.g. RPN/ROI sampling) a function of (seed, iteration, rank)."""
+    """Make in-model randomness (e.g. RPN/ROI sampling) a function of (seed, iteration, rank);
+    ``base_seed`` is data/build.py's train_seed(cfg)."""
     torch.manual_seed((max(base_seed, 0) * 1_000_003 + iteration * 4099 + comm.get_rank())
                       % (2**63 - 1))
 
@@ -168,7 +171,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
 
     def __init__(self, model, teacher, full_loader, weak_loader, optimizer, cfg, cam_lookup,
                  fusion_iters, precision=Precision()):
-        super().__init__(model, full_loader, optimizer, seed=cfg.SEED, precision=precision,
+        super().__init__(model, full_loader, optimizer, seed=train_seed(cfg),
+                         precision=precision,
                          check_finite=cfg.SOLVER.BRAIXDET.CHECK_FINITE)
         self.teacher = teacher
         self.weak_loader = weak_loader
@@ -253,6 +257,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
 class BRAIxTrainerBase(DefaultTrainer):
     """Shared construction for every stage (see the module docstring)."""
 
+    # DefaultTrainer.__init__ (0.6 and main) builds its own SimpleTrainer/AMPTrainer and
+    # DetectionCheckpointer with no builder for them: the same steps with ours.
     def __init__(self, cfg):
         TrainerBase.__init__(self)
         cfg = resolve_schedule(DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size()))
@@ -260,6 +266,7 @@ class BRAIxTrainerBase(DefaultTrainer):
         model = self.build_model(cfg)
         optimizer = self.build_optimizer(cfg, model)
         model = create_ddp_model(model, broadcast_buffers=False)
+        self.teacher = self.build_teacher(cfg, model)
         self._trainer = self.build_step_trainer(cfg, model, optimizer)
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = AtomicCheckpointer(
@@ -270,10 +277,13 @@ class BRAIxTrainerBase(DefaultTrainer):
         self.register_hooks(self.build_hooks())
 
     # -- builders -----------------------------------------------------------------------------
+    def build_teacher(self, cfg, model):
+        """The EMA teacher of student-teacher stages; None for supervised training."""
+        return None
+
     def build_step_trainer(self, cfg, model, optimizer):
         loader = LazyResumableLoader(lambda s: self.build_train_loader(cfg, start_iter=s))
-        self._lazy_loaders = [loader]
-        return BRAIxStepTrainer(model, loader, optimizer, seed=cfg.SEED,
+        return BRAIxStepTrainer(model, loader, optimizer, seed=train_seed(cfg),
                                 precision=Precision.from_cfg(cfg),
                                 check_finite=cfg.SOLVER.BRAIXDET.CHECK_FINITE)
 
@@ -309,7 +319,7 @@ class BRAIxTrainerBase(DefaultTrainer):
     @classmethod
     def build_train_loader(cls, cfg, start_iter=0):
         return build_multiview_train_loader(
-            cfg, cfg.DATASETS.TRAIN, cfg.SOLVER.IMS_PER_BATCH, seed=max(cfg.SEED, 0),
+            cfg, cfg.DATASETS.TRAIN, cfg.SOLVER.IMS_PER_BATCH, seed=train_seed(cfg),
             start_iter=start_iter)
 
     @classmethod
@@ -369,8 +379,9 @@ class BRAIxTrainerBase(DefaultTrainer):
     # -- loop ---------------------------------------------------------------------------------
     def resume_or_load(self, resume=True):
         super().resume_or_load(resume=resume)
-        for loader in self._lazy_loaders:
-            loader.start_iter = self.start_iter
+        for loader in (self._trainer.data_loader, getattr(self._trainer, "weak_loader", None)):
+            if isinstance(loader, LazyResumableLoader):
+                loader.start_iter = self.start_iter
 
     def eval_datasets(self):
         """During training only the validation set (model selection must not see the test
@@ -453,11 +464,15 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
     """Stage 2 student-teacher SSL (paper §3.2-3.3): the teacher is the reported, evaluated and
     exported model; the student is also evaluated (``student/`` metrics)."""
 
+    def build_teacher(self, cfg, model):
+        return build_teacher(model)
+
     def build_step_trainer(self, cfg, model, optimizer):
-        self.teacher = build_teacher(model)
-        full = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[0])
-        weak = LazyResumableLoader(lambda s: build_two_stream_loaders(cfg, start_iter=s)[1])
-        self._lazy_loaders = [full, weak]
+        full_names, weak_names = two_stream_names(cfg)
+        full = LazyResumableLoader(
+            lambda s: build_stream_loader(cfg, "full", full_names, start_iter=s))
+        weak = LazyResumableLoader(
+            lambda s: build_stream_loader(cfg, "weak", weak_names, start_iter=s))
         use_cam = cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON
         cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON) if use_cam else {}
         fusion_iters = fusion_iters_from_cfg(
