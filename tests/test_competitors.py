@@ -189,3 +189,14 @@ def test_stac_labels_with_the_fixed_supervised_detector(synthetic_root, tmp_path
     fixed = safe_torch_load(str(export))["model"]
     teacher = t.teacher.state_dict()
     assert all(torch.equal(teacher[k], v) for k, v in fixed.items())
+
+
+def test_jitter_selection_without_pseudo_boxes_asks_nothing():
+    """No teacher box above the threshold: every image's flags are empty (no teacher call)."""
+    from braixdet.ssl.soft_teacher import reliable_for_regression
+
+    empty = Instances((64, 32))
+    empty.gt_boxes = Boxes(torch.zeros(0, 4))
+    empty.gt_classes = torch.zeros(0, dtype=torch.long)
+    flags = reliable_for_regression(None, [{}, {}], [empty, empty], 10, 0.06, 0.02)
+    assert [f.tolist() for f in flags] == [[], []]

@@ -68,6 +68,8 @@ def jitter(boxes, times, scale):
 
 def reliable_for_regression(teacher, batch, targets, times, scale, thresh):
     """Per image, a bool per pseudo-box: its jitter uncertainty < ``thresh``."""
+    if sum(len(t) for t in targets) == 0:  # no pseudo-box (e.g. none >= 0.9): nothing to ask
+        return [torch.zeros(0, dtype=torch.bool, device=t.gt_boxes.device) for t in targets]
     jittered = [jitter(t.gt_boxes.tensor, times, scale).reshape(-1, 4) for t in targets]
     _, refined = teacher_box_outputs(teacher, batch, jittered)
     out, start = [], 0
