@@ -23,8 +23,9 @@ def _env():
 
 
 # narrow heads (what predict.py must be told too: the weights' shapes)
-MODEL_SHAPE = ["MODEL.FPN.OUT_CHANNELS", "32", "MODEL.ROI_BOX_HEAD.FC_DIM", "64",
-               "MODEL.BRAIXDET.LCM.EMBED_DIM", "32", "MODEL.BRAIXDET.LCM.OUT_DIM", "32"]
+# (the demo's widths: with 32-channel heads, near-tied detections made the shared and per-pair
+# predictions differ beyond the tolerance of test_predict_same_with_or_without_feature_sharing)
+MODEL_SHAPE = []
 DET_OPTS = ["SOLVER.MAX_ITER", "3", "TEST.EVAL_PERIOD", "2", "SOLVER.CHECKPOINT_PERIOD", "1",
             "SSL.CAM_FUSION_ITERS", "2", "MODEL.RPN.POST_NMS_TOPK_TRAIN", "50",
             "MODEL.RPN.POST_NMS_TOPK_TEST", "50", "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "32",
@@ -40,7 +41,6 @@ def pipeline_argv(root, out, methods=("braixdet",), protocol="partial"):
             "--methods", *methods,
             "--opts", *SIZE, "SOLVER.IMS_PER_BATCH", "2", "SOLVER.CHECKPOINT_PERIOD", "100",
             "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "2", "DATALOADER.NUM_WORKERS", "0",
-            "MODEL.BRAIXDET.LCM.EMBED_DIM", "32", "MODEL.BRAIXDET.LCM.OUT_DIM", "32",
             "--stage1-opts", *STAGE1_OPTS, "--det-opts", *DET_OPTS]
 
 
