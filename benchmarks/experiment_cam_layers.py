@@ -9,7 +9,7 @@ malignant images whose boxes are known, from one trained BRAIxMVCCL checkpoint.
 Per (method, layer): the fraction of lesions hit by a box (IoU >= 0.2), of boxes on a lesion,
 the pointing game (the heatmap's maximum inside a lesion box, 4 px tolerance) and the median box
 area against the median lesion area. Not part of `make bench` (it needs a trained classifier);
-the README's "GradCAM pseudo-boxes" table comes from it.
+the GradCAM table of docs/RESULTS.md §2 comes from it.
 """
 import argparse
 import os

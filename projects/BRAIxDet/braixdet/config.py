@@ -34,7 +34,7 @@ def _add_model_config(cfg):
     b.PRETRAINED = "imagenet"
     b.IN_CHANS = 1  # grey input; timm adapts the stem (sums RGB kernels) when pretrained
     # Recompute encoder activations in backward (timm set_grad_checkpointing): less GPU memory
-    # at the paper's batch for ~30% more step time (smaller cards; see README "GPU")
+    # at the paper's batch for ~30% more step time (smaller cards; see docs/DESIGN.md §4a)
     b.GRAD_CHECKPOINTING = False
     # timm feature stages exposed as res2..res5 (strides 4, 8, 16, 32)
     b.OUT_FEATURES = ["res3", "res4", "res5"]
@@ -59,7 +59,7 @@ def _add_model_config(cfg):
     b.CAM = CN()
     # Paper: GradCAM at the last stage (res5 = the main view's encoder features u_m). "layercam" at
     # "res4" (stride 16) localises far better when lesions span less than ~2 stride-32 cells
-    # (small inputs); see README "GradCAM pseudo-boxes".
+    # (small inputs); see docs/DESIGN.md §3.5.
     b.CAM.METHOD = "gradcam"  # gradcam | layercam
     b.CAM.TARGET_LAYER = "res5"  # res5 | res4 | res3
     b.CAM.TAU = 0.5
