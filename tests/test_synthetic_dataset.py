@@ -264,3 +264,20 @@ def test_truth_path_outside_dataset(tmp_path):
                                progress=False, truth_path=str(tmp_path / "truth.json"))
     assert json.load(open(tmp_path / "truth.json"))["images"] == s["images"] == 8
     assert "truth.json" not in os.listdir(tmp_path / "d")
+
+
+@pytest.mark.parametrize("kind,lo,hi", [("mass", 0.06, 0.11), ("calc", 0.07, 0.13)])
+def test_lesion_size_parameters_keep_draws(kind, lo, hi):
+    from synthetic_mammo.plan import sample_lesion
+
+    def draw(**kw):
+        return sample_lesion(np.random.default_rng(5), kind, True, 200, 2.0, **kw)
+
+    base = draw()
+    assert draw(size_scale=1.0, size_spread=1.0) == base  # defaults: the demo's data unchanged
+    frac, centre = 2 * base["radius"] / 200, (lo + hi) / 2
+    small, wide = draw(size_scale=0.5), draw(size_spread=2.0)
+    assert 2 * small["radius"] / 200 == pytest.approx(0.5 * frac)
+    assert 2 * wide["radius"] / 200 == pytest.approx(centre + 2 * (frac - centre))
+    same = lambda les: {k: v for k, v in les.items() if k not in ("radius", "extent")}
+    assert same(small) == same(base) == same(wide)  # same random draws whatever the sizes

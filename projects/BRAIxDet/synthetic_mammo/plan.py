@@ -57,17 +57,28 @@ def breast_geometry(rng, rows, cols):
     }
 
 
-def sample_lesion(rng, kind, malignant, cols, separation=1.0):
+def _resize(frac, lo, hi, size_scale, size_spread):
+    """Map a diameter fraction drawn from U(lo, hi): scale around the range's centre, then
+    stretch its deviation by ``size_spread`` (our choice, for development sets that are not the
+    demo's). The defaults (1, 1) return ``frac`` unchanged, so the demo's data stay identical."""
+    if size_scale == 1.0 and size_spread == 1.0:
+        return frac
+    centre = (lo + hi) / 2
+    return max(0.01, size_scale * (centre + size_spread * (frac - centre)))
+
+
+def sample_lesion(rng, kind, malignant, cols, separation=1.0, size_scale=1.0, size_spread=1.0):
     """Lesion parameters; malignant vs benign differ in distribution, with overlap.
 
     ``separation`` >= 1 pulls the two distributions apart (more spiculated, higher-contrast
     malignant masses, fewer spiculated benign ones, brighter malignant calcifications); 1 is the
-    original overlap. Same random draws whatever its value.
+    original overlap. ``size_scale`` / ``size_spread`` change the lesion diameters (see _resize).
+    Same random draws whatever their values.
     """
     s = float(separation)
     if kind == "mass":
         spiculated = rng.uniform() < (1 - 0.3 / s if malignant else 0.2 / s)
-        diam = rng.uniform(0.06, 0.11) * cols
+        diam = _resize(rng.uniform(0.06, 0.11), 0.06, 0.11, size_scale, size_spread) * cols
         les = {
             "type": "mass",
             "radius": diam / 2,
@@ -86,7 +97,7 @@ def sample_lesion(rng, kind, malignant, cols, separation=1.0):
                                           "MICROLOBULATED"])))
         les["extent"] = les["radius"] * (1.8 if spiculated else 1 + les["irregularity"])
         return les
-    diam = rng.uniform(0.07, 0.13) * cols
+    diam = _resize(rng.uniform(0.07, 0.13), 0.07, 0.13, size_scale, size_spread) * cols
     les = {
         "type": "calc",
         "radius": diam / 2,

@@ -149,7 +149,8 @@ def _encoding_quirks(rng, n_images, rows, cols, monochrome1_fraction, jpeg2000_f
 def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_rate=0.6,
                            malignant_fraction=0.5, test_fraction=0.25, seed=0,
                            monochrome1_fraction=0.15, jpeg2000_fraction=0.15, progress=True,
-                           truth_path=None, swap_fraction=0.1, separation=1.0):
+                           truth_path=None, swap_fraction=0.1, separation=1.0,
+                           size_scale=1.0, size_spread=1.0):
     """Generates the dataset under ``out_dir``; returns a summary dict (see module doc).
 
     ``image_size`` = (rows, cols) of the original mammograms. The summary's ``truth`` lists every
@@ -158,6 +159,8 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     (so tests can check they never leak), and lesions with ROI files, pathology and bbox.
     ``truth_path`` (outside the dataset folder) optionally receives the summary as JSON.
     ``separation``: how far malignant and benign lesions differ (see plan.sample_lesion).
+    ``size_scale`` / ``size_spread``: lesion diameters for development sets (plan._resize);
+    the defaults leave the data byte-identical.
     """
     from tqdm import tqdm
 
@@ -192,7 +195,8 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
             geo = breast_geometry(prng, rows, cols)
             masks = {v: breast_masks(geo, v, rows, cols) for v in VIEWS}
             allowed = {v: lesion_room(*masks[v]) for v in VIEWS}
-            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, separation)
+            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, separation,
+                                     size_scale, size_spread)
                        for k in range(bp["n"])]
             lesions = place_lesions(prng, lesions, geo, allowed, rows, cols)
             kind = lesions[0]["type"] if lesions else "mass"
