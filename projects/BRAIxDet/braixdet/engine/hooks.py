@@ -270,6 +270,10 @@ class BestExportHook(HookBase):
 
     def after_train(self):
         self.after_step()  # the final evaluation runs in EvalHook.after_train
+        if self.trainer.iter < self.trainer.max_iter:
+            # a failed or stopped run (after_train runs in a finally): it did not select a
+            # "last model", and an export here would look like a finished stage
+            return
         if self.exported_iter is None:
             self._export(self.trainer.iter, None)
         how = (f"best validation {self.metric} = {self.best:g}" if self.best is not None
