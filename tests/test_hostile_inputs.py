@@ -830,3 +830,23 @@ def test_train_net_planted_symlinks_refused_before_anything_is_written(synthetic
     rc, last, err = _cli("mvccl", _tiny(synthetic_root, tmp_path, out, max_iter=1))
     assert rc == 1 and last.startswith(f"error: refusing to write {out / '.lock'}: it is a "
                                        "symbolic link") and not (tmp_path / "victim_lock").exists()
+
+
+def test_pipeline_shows_the_stages_error_line_not_its_traceback(tmp_path):
+    """Issue 21 item 5 through run_pipeline.py: a bad stage-1 value used to end in the
+    pipeline's own `RuntimeError: stage mvccl failed` traceback. Now the tool's last line is the
+    stage's one-line error, exit 1."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(repo, "tools", "run_pipeline.py"), "--root",
+         str(tmp_path / "no_data"), "--configs", os.path.join(repo, "configs", "demo"),
+         "--out", str(tmp_path / "o"), "--stage1-opts", "SOLVER.IMS_PER_BATCH", "0"],
+        capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert last.startswith("error: SOLVER.IMS_PER_BATCH = 0: allowed: an integer >= 1 "
+                           "(stage mvccl; log: "), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -8,7 +8,9 @@ What it runs and writes: braixdet/pipeline/demo.py. One seed shows no spread: ro
 seed spread are not ranked. SIGTERM/SIGINT stop the running stage; `--resume` continues.
 """
 import argparse
+import sys
 
+from braixdet.engine.preflight import run_tool
 from braixdet.pipeline.demo import run_demo
 
 
@@ -33,4 +35,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))  # a failed stage: its own error line, no traceback

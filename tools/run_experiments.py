@@ -10,7 +10,9 @@ one-tailed Welch t-test of BRAIxDet against the second best row in <out>/summary
 summary.json (braixdet/pipeline/experiments.py). Re-running continues where it stopped.
 """
 import argparse
+import sys
 
+from braixdet.engine.preflight import run_tool
 from braixdet.pipeline import add_pipeline_arguments
 from braixdet.pipeline.experiments import DEFAULT_METHODS, run_experiments
 
@@ -31,4 +33,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))  # a failed stage: its own error line, no traceback

@@ -8,7 +8,9 @@ The stages, the methods (rows) and how a re-run resumes: braixdet/pipeline (pack
 SIGTERM/SIGINT stop the running stage (its whole process group); re-run to continue.
 """
 import argparse
+import sys
 
+from braixdet.engine.preflight import run_tool
 from braixdet.pipeline import Pipeline, add_pipeline_arguments
 from braixdet.pipeline.core import __doc__ as PIPELINE_DOC
 
@@ -25,4 +27,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))  # a failed stage: its own error line, no traceback

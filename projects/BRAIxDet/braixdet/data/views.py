@@ -5,7 +5,7 @@ One module for the dataset loaders (``data/datasets/*``, through ``normalize_vie
 ``group_exams``), so training and inference read views the same way. It imports nothing of the
 package, so datasets/common.py, pairing.py and dicom.py can all import it at the top.
 
-Resolver order (first source that names a view wins; docs: datasets/README.md, "Views, sides and exams"):
+Resolver order (first source that names a view wins; docs: datasets/README.md):
 
 * view: ViewPosition -> ViewCodeSequence (SNOMED CT codes of CID 4014, legacy SRT codes, else
   the code meaning) with its ViewModifierCodeSequence (CID 4015) -> PatientOrientation when it

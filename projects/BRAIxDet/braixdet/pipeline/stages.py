@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from ..engine.preflight import ToolError, last_error_line
 from ..utils.io import atomic_write_json
 
 DONE = "stage_done.json"
@@ -28,8 +29,9 @@ LOG_PREFIX = re.compile(r"^\[\d+/\d+ [\d:]+ [\w.]+\]:\s*")  # detectron2's "[dat
 STOP_GRACE_S = 60  # how long a stopped stage may take to exit before it is killed
 
 
-class StageFailed(RuntimeError):
-    pass
+class StageFailed(ToolError):
+    """A stage exited non-zero; ``str`` is its own ``error:`` line when it printed one (a bad
+    config value, a refused input), so the tool shows that line, not a traceback."""
 
 
 class StageInterrupted(SystemExit):
@@ -108,7 +110,9 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
         raise StageInterrupted(received[0])
     if proc.returncode != 0:
         sys.stdout.write("".join(tail))
-        raise StageFailed(f"stage {name} failed (exit {proc.returncode}); see {log_path}")
+        cause = last_error_line(tail)
+        raise StageFailed(f"{cause} (stage {name}; log: {log_path})" if cause else
+                          f"error: stage {name} failed (exit {proc.returncode}); see {log_path}")
 
 
 def read_json(path):
