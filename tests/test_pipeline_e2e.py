@@ -96,6 +96,10 @@ def test_paper_table_over_two_seeds(pipeline_run):
     others = {k: v["AP20_mean"] for k, v in rows.items() if k != "BRAIxDet"}
     assert summary["second_best"] == max(others, key=others.get)
     assert summary["seeds"] == [0, 1] and " ± " in md
+    # the exam-level AUC column: both copies hold the same value -> its mean, std 0
+    auc = float(s0["results"]["Faster R-CNN"]["exam_AUC"])
+    line = next(x for x in md.splitlines() if x.startswith("| Faster R-CNN |"))
+    assert line.endswith(f"| {auc:.1f} ± 0.0 |"), line
 
 
 def test_pipeline_produces_every_artefact(pipeline_run):
@@ -122,7 +126,7 @@ def test_pipeline_produces_every_artefact(pipeline_run):
     for stage in ("braixdet", "faster_rcnn", "cam_only_layercam_res4"):
         files = {f for _, _, fs in os.walk(out / stage) for f in fs}
         assert {"froc.csv", "froc.png", "detections_coco.json", "metrics.json"} <= files, stage
-    assert "| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |" in pipeline_run["log"]
+    assert "| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) | exam AUC (%) |" in pipeline_run["log"]
     assert "##### seed 0 (1/1)" in pipeline_run["log"]  # progress while it runs
 
 

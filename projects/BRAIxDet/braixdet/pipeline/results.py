@@ -156,10 +156,15 @@ def _metric(m, key):
     return "n/a" if v is None else f"{float(v):.1f}"
 
 
+# the screening score's AUC (max detection score per exam; evaluation/exam_scores.py), beside AP
+EXAM_AUC = "exam_AUC"
+
+
 def format_table(results):
-    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |", "|---|---|---|"]
+    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) | exam AUC (%) |", "|---|---|---|---|"]
     for name, m in results.items():
-        lines.append(f"| {name} | {_metric(m, 'AP20')} | {_metric(m, 'R@0.5')} |")
+        lines.append(f"| {name} | {_metric(m, 'AP20')} | {_metric(m, 'R@0.5')} | "
+                     f"{_metric({'bbox': m}, EXAM_AUC)} |")
     return "\n".join(lines)
 
 
@@ -180,9 +185,11 @@ def _mean_std(mean, std):
 
 def paper_table(per_seed):
     """per_seed: [run_pipeline summary] -> (markdown, summary dict)."""
-    values = OrderedDict()
+    values, exam_auc = OrderedDict(), OrderedDict()
     for s in per_seed:
         for label, m in s["results"].items():
+            if m.get(EXAM_AUC) is not None:
+                exam_auc.setdefault(label, []).append(float(m[EXAM_AUC]))
             m = m.get("bbox", m)
             values.setdefault(label, []).append({k: float(m[k]) for k in METRICS})
     means = {k: float(np.mean([r["AP20"] for r in v])) for k, v in values.items()}
@@ -190,15 +197,18 @@ def paper_table(per_seed):
     second = others[0] if OURS in values and others else None
     rows = summarize(values, second or next(iter(values)), METRICS)
     by_label = {r["method"]: r for r in rows}
-    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) |", "|---|---|---|"]
+    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) | exam AUC (%) |",
+             "|---|---|---|---|"]
     for label in values:
-        r = by_label[label]
+        r, auc = by_label[label], exam_auc.get(label)
+        auc_cell = _mean_std(float(np.mean(auc)), float(np.std(auc, ddof=1)) if len(auc) > 1
+                             else float("nan")) if auc else "n/a"
         lines.append(f"| {label} | " + " | ".join(
-            _mean_std(r[f"{m}_mean"], r[f"{m}_std"]) for m in METRICS) + " |")
+            _mean_std(r[f"{m}_mean"], r[f"{m}_std"]) for m in METRICS) + f" | {auc_cell} |")
     if second is not None:
         p = [by_label[OURS][f"{m}_p"] for m in METRICS]
         lines.append(f"| {OURS} (p-value vs {second}, one-tailed t-test) | " + " | ".join(
-            "n/a" if math.isnan(x) else f"{x:.4f}" for x in p) + " |")
+            "n/a" if math.isnan(x) else f"{x:.4f}" for x in p) + " | |")
 
     cls = OrderedDict()
     for s in per_seed:
