@@ -206,6 +206,9 @@ def test_writer_helpers_never_follow_links(tmp_path):
         with pytest.raises(OutputPathRefused, match="it is a symbolic link"):
             open_no_follow(out / f"stage_{mode}.log", mode)
     assert victim.read_text() == "keep"
+    with open_no_follow(out / "stage_w.log", "w", replace_link=True) as f:  # the stage logs
+        f.write("log")
+    assert victim.read_text() == "keep" and (out / "stage_w.log").read_text() == "log"
     with pytest.raises(OutputPathRefused) as e:
         refuse_links(out)
     assert e.value.path == str(out / "stage_a.log")

@@ -142,10 +142,15 @@ def test_baseline_starts_from_the_single_view_classifier(pipeline_run):
     assert "MULTI_VIEW: false" in single
 
 
-def test_rerun_skips_finished_stages(pipeline_run):
-    """A second run of a finished pipeline trains nothing (each stage's output exists)."""
+def test_rerun_skips_finished_stages(pipeline_run, tmp_path):
+    """A second run of a finished pipeline trains nothing (each stage's output exists); a link
+    planted at its results.json is replaced by the file, its target untouched (issue 21.1)."""
     out = pipeline_run["out"]
     mtime = os.path.getmtime(out / "braixdet" / "model_export.pth")
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    os.replace(out / "results.json", tmp_path / "results.json")
+    os.symlink(victim, out / "results.json")
     cmd = [sys.executable, os.path.join(REPO, "tools", "run_pipeline.py"), "--dataset",
            "cbis_ddsm", "--root", str(pipeline_run["root"]), "--out", str(out),
            "--configs", os.path.join(REPO, "configs", "demo"), "--opts", *SIZE]
@@ -154,6 +159,8 @@ def test_rerun_skips_finished_stages(pipeline_run):
     for stage in ("mvccl", "gradcam", "braixdet"):
         assert f"[{stage}] skipped" in text
     assert os.path.getmtime(out / "braixdet" / "model_export.pth") == mtime
+    assert victim.read_text() == "keep" and not (out / "results.json").is_symlink()
+    assert json.loads((out / "results.json").read_text())["results"]
 
 
 def test_dataset_folder_never_written(pipeline_run):

@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 
+from ..utils.io import atomic_write_json, atomic_write_text
 from .core import REPO, Pipeline, add_pipeline_arguments
 from .experiments import NOT_RANKED, run_seeds, write_experiments
 from .results import format_classifiers, format_table
@@ -45,8 +46,7 @@ def make_data(root, spec, seed=DATA_SEED):
     make_synthetic_dataset(root, patients=spec["patients"], image_size=(spec["rows"], spec["cols"]),
                            lesion_rate=0.7, seed=seed, separation=spec["separation"],
                            progress=True)
-    with open(marker, "w") as f:
-        json.dump(want, f)
+    atomic_write_json(marker, want)
 
 
 def draw_overlays(out_dir, det_dir, test_name, n=4):
@@ -144,8 +144,7 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False):
         summary = per_seed[0]
     overlays = _overlays(first, out)
     text = report(tables, summary, spec, quick, seeds, (time.time() - t0) / 60, overlays, out)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(text)
+    atomic_write_text(os.path.join(out, "results.md"), text)
     print("\n" + text)
     print(f"outputs in {out}")
     return summary

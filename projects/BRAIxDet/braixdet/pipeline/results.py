@@ -5,6 +5,7 @@ classification_metrics.json, the pseudo-box JSON's "meta"), never from a log lin
 """
 import csv
 import glob
+import io
 import json
 import math
 import os
@@ -13,6 +14,8 @@ from collections import OrderedDict
 
 import numpy as np
 from scipy import stats
+
+from ..utils.io import atomic_write_text
 
 OURS = "BRAIxDet"
 METRICS = ("AP20", "R@0.5")
@@ -237,11 +240,11 @@ def write_summary(rows, out, metrics=METRICS, baseline=None):
     """<out>/summary.csv and summary.md of ``summarize`` rows; returns the markdown."""
     md = to_markdown(rows, metrics, baseline)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(md + "\n\nmean ± std (ddof=1) over runs; p: one-tailed Welch t-test vs "
-                f"{baseline}.\n")
+    table = io.StringIO(newline="")
+    w = csv.DictWriter(table, fieldnames=list(rows[0].keys()))
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(os.path.join(out, "summary.csv"), table.getvalue())
+    atomic_write_text(os.path.join(out, "summary.md"), md + "\n\nmean ± std (ddof=1) over runs; "
+                      f"p: one-tailed Welch t-test vs {baseline}.\n")
     return md

@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..engine.preflight import ToolError, last_error_line
-from ..utils.io import atomic_write_json
+from ..utils.io import atomic_write_json, open_no_follow
 
 DONE = "stage_done.json"
 # lines worth showing while a stage runs: training progress, results, reports, problems
@@ -70,7 +70,7 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
     print(f"\n=== [{name}] {os.path.basename(cmd[1])} (full log: {log_path})", flush=True)
     received = []
     tail = []
-    with open(log_path, "w") as log, subprocess.Popen(
+    with open_no_follow(log_path, "w", replace_link=True) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, start_new_session=True) as proc:
 

@@ -51,8 +51,14 @@ def refuse_links(folder):
             refuse_link(os.path.join(dirpath, name))
 
 
-def open_no_follow(path, mode="a"):
-    """``open(path, mode)`` for writing ("w"/"a", text or binary) that refuses a final symlink."""
+def open_no_follow(path, mode="a", replace_link=False):
+    """``open(path, mode)`` for writing ("w"/"a", text or binary) that refuses a final symlink,
+    or with ``replace_link`` removes it first (a file of ours, e.g. a log; its target is left
+    untouched, as ``atomic_write`` does)."""
+    if replace_link and os.path.islink(path):
+        logger.warning("%s was a symbolic link: replaced by the file, its target left untouched",
+                       path)
+        os.unlink(path)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     try:
         fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -191,5 +197,9 @@ def atomic_write_bytes(path, data: bytes, **kwargs):
     atomic_write(path, lambda f: f.write(data), "wb", **kwargs)
 
 
+def atomic_write_text(path, text: str, **kwargs):
+    atomic_write(path, lambda f: f.write(text), "w", **kwargs)
+
+
 def atomic_write_json(path, obj, indent=None, **kwargs):
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=indent)), "w", **kwargs)
+    atomic_write_text(path, json.dumps(obj, indent=indent), **kwargs)
