@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from braixdet.engine.trainers import Precision
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 
@@ -201,17 +203,15 @@ def to_device(x, device=None):
 
 
 def amp_dtype(device=None):
-    """bf16 where supported (CPU; CUDA with bf16 support), else fp16."""
-    if is_cuda(device):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
+    """The step trainers' AMP dtype on this device (``Precision.auto``: one rule for both)."""
+    return Precision.auto(device_type(device)).dtype
 
 
 def autocast(enabled=True, device=None):
-    """torch.autocast on the benchmark's device with ``amp_dtype`` (a no-op when disabled)."""
+    """The step trainers' autocast on the benchmark's device (a no-op when disabled)."""
     if not enabled:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type(device), dtype=amp_dtype(device))
+    return Precision.auto(device_type(device)).autocast()
 
 
 def precisions(args):

@@ -107,9 +107,14 @@ class Precision:
         if want not in ("auto", "bf16", "fp16"):
             raise ValueError(f"SOLVER.BRAIXDET.AMP_DTYPE must be auto, bf16 or fp16, got {want!r}")
         if want == "auto":
-            bf16 = device_type == "cpu" or torch.cuda.is_bf16_supported()
-            want = "bf16" if bf16 else "fp16"
+            return cls.auto(device_type)
         return cls(device_type, torch.bfloat16 if want == "bf16" else torch.float16)
+
+    @classmethod
+    def auto(cls, device_type):
+        """bf16 where supported (CPU; CUDA with bf16), else fp16 (with a gradient scaler)."""
+        bf16 = device_type == "cpu" or torch.cuda.is_bf16_supported()
+        return cls(device_type, torch.bfloat16 if bf16 else torch.float16)
 
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype or torch.float32,
