@@ -8,8 +8,9 @@ malignant images whose boxes are known, from one trained BRAIxMVCCL checkpoint.
 
 Per (method, layer): the fraction of lesions hit by a box (IoU >= 0.2), of boxes on a lesion,
 the pointing game (the heatmap's maximum inside a lesion box, 4 px tolerance) and the median box
-area against the median lesion area. Not part of `make bench` (it needs a trained classifier);
-the GradCAM table of docs/RESULTS.md §2 comes from it.
+area against the median lesion area, and the lesions hit per size bucket: the lesion box's side
+sqrt(w·h) in the canonical frame relative to the canonical width (--size-edges). Not part of
+`make bench` (it needs a trained classifier); the GradCAM table of docs/RESULTS.md §2 comes from it.
 """
 import argparse
 import os
@@ -22,16 +23,42 @@ from detectron2.modeling import build_model
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
 from braixdet.ssl.cam_boxes import (
+    FUSED_LAYERS,
     CamSettings,
     cam_box_quality,
     cam_boxes_from_heatmap,
     gradcam_heatmaps,
+    lesions_hit,
 )
 
 VARIANTS = [(m, layer) for m in ("gradcam", "layercam") for layer in ("res5", "res4", "res3")]
+VARIANTS.append(("layercam", FUSED_LAYERS))
+SIZE_EDGES = (0.10, 0.14)  # our choice: each bucket holds lesions on the dev sets and the demo
 
 
-def evaluate(model, inputs, settings, method, layer):
+def lesion_sides(gts, canonical_width):
+    """Side sqrt(w·h) of each XYXY lesion box relative to the canonical width."""
+    gts = np.asarray(gts, float).reshape(-1, 4)
+    return np.sqrt((gts[:, 2] - gts[:, 0]) * (gts[:, 3] - gts[:, 1])) / float(canonical_width)
+
+
+def bucket_names(edges):
+    pct = [f"{100 * e:g}%" for e in edges]
+    return ([f"<{pct[0]}"] + [f"{a}-{b}" for a, b in zip(pct, pct[1:])] + [f">={pct[-1]}"])
+
+
+def hits_by_size(boxes, inputs, edges, canonical_width):
+    """Per size bucket (see bucket_names): (lesions hit, lesions)."""
+    hit, total = np.zeros(len(edges) + 1, int), np.zeros(len(edges) + 1, int)
+    for x in inputs:
+        gts = x["instances"].gt_boxes.tensor.numpy()
+        idx = np.digitize(lesion_sides(gts, canonical_width), edges)
+        np.add.at(total, idx, 1)
+        np.add.at(hit, idx, lesions_hit(boxes[str(x["image_id"])], gts).astype(int))
+    return hit, total
+
+
+def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES):
     boxes, points, areas = {}, 0, []
     for x in inputs:
         heat, _ = gradcam_heatmaps(model, [x], method, layer)
@@ -46,6 +73,7 @@ def evaluate(model, inputs, settings, method, layer):
         {"bbox": g.tolist(), "bbox_mode": 0} for g in x["instances"].gt_boxes.tensor.numpy()]}
         for x in inputs]
     q = cam_box_quality(boxes, dicts)
+    q["by_size"] = hits_by_size(boxes, inputs, edges, settings.canonical_size[1])
     return q, points / max(1, len(inputs)), float(np.median(areas)) if areas else 0.0
 
 
@@ -55,6 +83,10 @@ def main(argv=None):
     ap.add_argument("--weights", required=True)
     ap.add_argument("--datasets", nargs="+", required=True, help="registered names")
     ap.add_argument("--out", default="", help="also write the table to this markdown file")
+    ap.add_argument("--size-edges", nargs="+", type=float, default=list(SIZE_EDGES),
+                    help="lesion-size bucket edges (side / canonical width), increasing")
+    ap.add_argument("--variants", nargs="+", default=[f"{m}:{la}" for m, la in VARIANTS],
+                    help="method:layer pairs to score (default: all)")
     ap.add_argument("opts", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
@@ -70,18 +102,25 @@ def main(argv=None):
     for name in args.datasets:
         inputs = [x for x in (mapper(d) for d in DatasetCatalog.get(name)
                               if d["label"] == 1 and d.get("annotations")) if x is not None]
-        gt_area = np.median([float((g[2] - g[0]) * (g[3] - g[1])) for x in inputs
-                             for g in x["instances"].gt_boxes.tensor.numpy()])
+        gts = [x["instances"].gt_boxes.tensor.numpy() for x in inputs]
+        gt_area = np.median([float((g[2] - g[0]) * (g[3] - g[1])) for b in gts for g in b])
+        sides = np.concatenate([lesion_sides(b, settings.canonical_size[1]) for b in gts])
+        buckets = bucket_names(args.size_edges)
         lines += [f"\n{name}: {len(inputs)} malignant images, median lesion box "
-                  f"{gt_area:.0f} px² at {tuple(settings.canonical_size)}", "",
-                  "| heatmap | lesions hit | boxes on a lesion | pointing game | median box px² |",
-                  "|---|---|---|---|---|"]
-        for method, layer in VARIANTS:
-            q, point, area = evaluate(model, inputs, settings, method, layer)
-            lines.append(f"| {method} {layer} | {100 * q['lesion_hit_rate']:.0f}% | "
+                  f"{gt_area:.0f} px² at {tuple(settings.canonical_size)}, median side "
+                  f"{100 * np.median(sides):.1f}% of the canonical width", "",
+                  "| heatmap | lesions hit | " + " | ".join(f"hit {b}" for b in buckets)
+                  + " | boxes on a lesion | pointing game | median box px² |",
+                  "|---|---|" + "---|" * len(buckets) + "---|---|---|"]
+        variants = [tuple(v.split(":", 1)) for v in args.variants]
+        for method, layer in variants:
+            q, point, area = evaluate(model, inputs, settings, method, layer, args.size_edges)
+            per = " | ".join(f"{100 * h / t:.0f}% ({t})" if t else "– (0)"
+                             for h, t in zip(*q["by_size"]))
+            lines.append(f"| {method} {layer} | {100 * q['lesion_hit_rate']:.0f}% | {per} | "
                          f"{100 * q['box_hit_rate']:.0f}% ({q['boxes']}) | {point:.2f} | "
                          f"{area:.0f} |")
-        print("\n".join(lines[-len(VARIANTS) - 4:]), flush=True)
+        print("\n".join(lines[-len(variants) - 4:]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

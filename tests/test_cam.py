@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _cfg_helpers import tiny_classifier_cfg
+from detectron2.data import DatasetCatalog
 from detectron2.data.transforms import (
     CropTransform,
     HFlipTransform,
@@ -18,13 +19,16 @@ from detectron2.modeling import build_model
 from torch import nn
 
 import braixdet.modeling  # noqa: F401
+from braixdet.engine.validate import validate_config
 from braixdet.ssl.cam_boxes import (
+    FUSED_LAYERS,
     CamSettings,
     _minmax,
     boxes_to_original,
     cam_box_quality,
     cam_boxes_from_heatmap,
     gradcam_heatmaps,
+    known_lesions,
     scaled_area_limits,
     write_cam_boxes,
 )
@@ -203,6 +207,33 @@ def test_layercam_at_res4_matches_pytorch_grad_cam():
     assert np.abs(heat - ref[: len(inputs)]).max() < 1e-4
 
 
+def test_fused_map_is_the_normalised_mean_of_the_stage_maps():
+    """TARGET_LAYER "res3+res4+res5": the min-max normalised mean of the three LayerCAM maps
+    (each normalised at the input size); the classifier builds every stage for it."""
+    cfg = tiny_classifier_cfg(multi_view=True)
+    cfg.MODEL.BRAIXDET.CAM.METHOD = "layercam"
+    cfg.MODEL.BRAIXDET.CAM.TARGET_LAYER = FUSED_LAYERS
+    validate_config(cfg)
+    assert CamSettings.from_cfg(cfg).target_layer == FUSED_LAYERS
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    assert {"res3", "res4", "res5"} <= set(model.bottom_up.encoder._out_features)
+    g = torch.Generator().manual_seed(2)
+    inputs = [{"image": _blob(g), "aux_image": _blob(g), "label": 1} for _ in range(2)]
+    fused, probs = gradcam_heatmaps(model, inputs, "layercam", FUSED_LAYERS)
+    maps = [gradcam_heatmaps(model, inputs, "layercam", layer)[0]
+            for layer in ("res3", "res4", "res5")]
+    mean = np.mean(maps, axis=0)
+    lo = mean.min(axis=(1, 2), keepdims=True)
+    ref = (mean - lo) / (mean.max(axis=(1, 2), keepdims=True) - lo)
+    assert fused.shape == (2, H, W) and np.abs(fused - ref).max() < 1e-6
+    assert not np.allclose(fused, maps[2], atol=1e-3)  # res3/res4 change the res5 map
+    assert np.allclose(probs, gradcam_heatmaps(model, inputs, "layercam", "res5")[1])
+    cfg.MODEL.BRAIXDET.CAM.TARGET_LAYER = "res2+res5"
+    with pytest.raises(ValueError, match="TARGET_LAYER"):
+        validate_config(cfg)
+
+
 def test_res5_map_sees_the_max_pooled_evidence():
     """Only the GCM's max-pool of u_m reads the lesion (the average-pooled branch and the aux
     view silenced): the res5 map must still peak where that maximum is. On the LCM output
@@ -361,7 +392,15 @@ def test_cam_layer_experiment_runs_through_main(synthetic_root, tmp_path):
     export_model_only(build_model(build_cfg(config, opts)), weights)
     out = tmp_path / "table.md"
     experiment_cam_layers.main(["--config-file", config, "--weights", weights, "--datasets",
-                                "cbis_ddsm_test", "--out", str(out), *opts])
+                                "cbis_ddsm_test", "--variants", "gradcam:res5",
+                                f"layercam:{FUSED_LAYERS}", "--out", str(out), *opts])
     table = out.read_text()
-    assert "| gradcam res5 |" in table and "| layercam res4 |" in table
-    assert table.count("\n| ") == 1 + 6  # header + one row per (method, layer)
+    assert "| gradcam res5 |" in table and "| layercam res3+res4+res5 |" in table
+    # header + one row per (method, layer)
+    assert table.count("\n| ") == 1 + 2
+    # every lesion lands in exactly one size bucket
+    lesions = sum(len(known_lesions(d)) for d in DatasetCatalog.get("cbis_ddsm_test")
+                  if d["label"] == 1 and d.get("annotations"))
+    row = next(r for r in table.splitlines() if r.startswith("| gradcam res5 |"))
+    counts = [int(c.split("(")[1].rstrip(") ")) for c in row.split("|")[3:6]]
+    assert sum(counts) == lesions > 0

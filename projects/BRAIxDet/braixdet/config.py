@@ -61,7 +61,7 @@ def _add_model_config(cfg):
     # "res4" (stride 16) localises far better when lesions span less than ~2 stride-32 cells
     # (small inputs); see docs/DESIGN.md §3.5.
     b.CAM.METHOD = "gradcam"  # gradcam | layercam
-    b.CAM.TARGET_LAYER = "res5"  # res5 | res4 | res3
+    b.CAM.TARGET_LAYER = "res5"  # res5 | res4 | res3 | res3+res4+res5 (normalised mean of the 3)
     b.CAM.TAU = 0.5
     b.CAM.MIN_AREA = 32**2
     b.CAM.MAX_AREA = 1024**2

@@ -83,7 +83,7 @@ def _checks():
         "INPUT.BRAIXDET.MASK_DOWNSAMPLE": _int_at_least(1),
         "INPUT.BRAIXDET.CACHE_FORMAT": _one_of("npy", "png"),
         "MODEL.BRAIXDET.CAM.METHOD": _one_of(*METHODS),
-        "MODEL.BRAIXDET.CAM.TARGET_LAYER": _one_of("res3", "res4", "res5"),
+        "MODEL.BRAIXDET.CAM.TARGET_LAYER": _one_of("res3", "res4", "res5", "res3+res4+res5"),
         "MODEL.BRAIXDET.CAM.TAU": _number_in(0, 1, lo_open=True, hi_open=True),
         "SSL.EMA_ALPHA": _number_in(0, 1),
         "SSL.LAMBDA_WEAK": _number_in(0, math.inf, hi_open=True),

@@ -42,7 +42,7 @@ class MVCCLClassifier(nn.Module):
         b = cfg.MODEL.BRAIXDET
         # the encoder also outputs the GradCAM target stage when it is not the last one
         bottom_up = build_multiview_bottom_up(
-            cfg, bidirectional=True, extra_features=(b.CAM.TARGET_LAYER,))
+            cfg, bidirectional=True, extra_features=tuple(b.CAM.TARGET_LAYER.split("+")))
         c = bottom_up.output_shape()[FUSE_FEATURE].channels
         multi_view = bool(b.MULTI_VIEW)
         gcm = GlobalConsistencyModule(c) if multi_view and b.GCM.ENABLED else None

@@ -13,6 +13,10 @@ Heatmap methods (MODEL.BRAIXDET.CAM.METHOD / TARGET_LAYER):
   gradient is concentrated where the lesion is; GradCAM averages that location away. LayerCAM
   keeps it, which is what makes a finer stage (res4, stride 16) usable when lesions span less
   than ~2 cells of the stride-32 map.
+* TARGET_LAYER ``"res3+res4+res5"`` (our choice, after Jiang et al.'s multi-stage fusion): the
+  min-max normalised maps of each stage, upsampled to the input size, averaged and normalised
+  again (τ keeps meaning "fraction of the maximum"). Coarse stages see large lesions, fine ones
+  small lesions; one forward/backward pass per stage.
 """
 import hashlib
 import json
@@ -38,6 +42,7 @@ __all__ = [
     "boxes_to_original",
     "iter_cam_boxes",
     "cam_box_quality",
+    "lesions_hit",
     "write_cam_boxes",
     "load_cam_boxes",
     "cam_boxes_in_input_frame",
@@ -46,7 +51,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 METHODS = ("gradcam", "layercam")
-TARGET_LAYERS = ("res5", "res4", "res3")
+FUSED_LAYERS = "res3+res4+res5"
+TARGET_LAYERS = ("res5", "res4", "res3", FUSED_LAYERS)
 IOU_HIT = 0.2  # a pseudo-box "hits" a lesion at the evaluation's IoU (paper §4.2)
 
 
@@ -99,7 +105,13 @@ def gradcam_heatmaps(model, batched_inputs, method="gradcam", target_layer="res5
     ``target_size`` (H, W) if given) and min-max normalised per image (an all-zero map stays
     zero). Returns (heatmaps float32 (B, H, W) in [0, 1], probabilities float32 (B,)). Runs in
     eval mode (the model's mode is restored) with gradients on, even under torch.no_grad().
+    ``target_layer`` "a+b+...": the normalised mean of each stage's map (module docstring).
     """
+    if "+" in target_layer:
+        per_layer = [gradcam_heatmaps(model, batched_inputs, method, layer, target_size)
+                     for layer in target_layer.split("+")]
+        fused = _minmax(torch.from_numpy(np.mean([h for h, _ in per_layer], axis=0)))
+        return fused.numpy().astype(np.float32), per_layer[0][1]
     model = unwrap(model)
     was_training = model.training
     model.eval()
@@ -194,6 +206,12 @@ def _iou(boxes, gts):
     return np.where(union > 0, inter / np.maximum(union, 1e-12), 0.0)
 
 
+def lesions_hit(boxes, gts) -> np.ndarray:
+    """bool (N,): which of the N lesion boxes ``gts`` a pseudo-box hits (IoU ≥ IOU_HIT)."""
+    iou = _iou(boxes, gts)
+    return (iou >= IOU_HIT).any(axis=0) if len(iou) else np.zeros(len(iou.T), bool)
+
+
 def known_lesions(d) -> np.ndarray:
     """Malignant boxes of a dict where known: its annotations, or those the protocol withheld."""
     from detectron2.structures import BoxMode
@@ -217,7 +235,7 @@ def cam_box_quality(boxes_by_image: Dict[str, np.ndarray], dicts) -> dict:
         n_boxes += len(iou)
         box_hits += int((iou >= IOU_HIT).any(axis=1).sum())
         n_lesions += len(gts)
-        lesion_hits += int((iou >= IOU_HIT).any(axis=0).sum()) if len(iou) else 0
+        lesion_hits += int(lesions_hit(boxes, gts).sum())
     return {"images_with_known_lesions": n_img, "boxes": n_boxes, "lesions": n_lesions,
             "box_hit_rate": box_hits / n_boxes if n_boxes else float("nan"),
             "lesion_hit_rate": lesion_hits / n_lesions if n_lesions else float("nan")}
