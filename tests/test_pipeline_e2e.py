@@ -96,10 +96,12 @@ def test_paper_table_over_two_seeds(pipeline_run):
     others = {k: v["AP20_mean"] for k, v in rows.items() if k != "BRAIxDet"}
     assert summary["second_best"] == max(others, key=others.get)
     assert summary["seeds"] == [0, 1] and " ± " in md
-    # the exam-level AUC column: both copies hold the same value -> its mean, std 0
-    auc = float(s0["results"]["Faster R-CNN"]["exam_AUC"])
-    line = next(x for x in md.splitlines() if x.startswith("| Faster R-CNN |"))
-    assert line.endswith(f"| {auc:.1f} ± 0.0 |"), line
+    # the exam-level AUC column: both copies hold the same value -> its mean, std 0; none (a
+    # one-class test split at this size gives null) -> n/a
+    for label, m in s0["results"].items():
+        auc = m.get("exam_AUC")
+        line = next(x for x in md.splitlines() if x.startswith(f"| {label} |"))
+        assert line.endswith(f"| {float(auc):.1f} ± 0.0 |" if auc is not None else "| n/a |"), line
 
 
 def test_pipeline_produces_every_artefact(pipeline_run):
