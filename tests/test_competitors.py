@@ -77,18 +77,22 @@ def test_unbiased_teacher_trains_no_box_regression_on_pseudo_labels():
         keep_loss_terms(losses, ["loss_clss"])
 
 
-def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
-    """Burn-in (teacher = student), then weak losses with classification terms only."""
+def _competitor_trainer(name, synthetic_root, tmp_path, monkeypatch, max_iter, extra):
+    """A tiny trainer of one competitor's demo config (one torch thread)."""
     import _train_helpers as th
 
-    monkeypatch.setitem(th.CONFIGS, "unbiased_teacher", os.path.join(
-        REPO, "configs", "demo", "baselines", "unbiased_teacher.yaml"))
+    monkeypatch.setitem(th.CONFIGS, name, os.path.join(
+        REPO, "configs", "demo", "baselines", f"{name}.yaml"))
     torch.set_num_threads(1)
-    opts = th.tiny_opts(synthetic_root.root, tmp_path / "ut", tmp_path / "cache",
-                        stage="unbiased_teacher", max_iter=3, extra=[
-                            "SSL.BURN_IN_ITERS", "1", "SSL.TEACHER_SCORE_THRESH", "0.0",
-                            "TEST.BRAIXDET.EVAL_STUDENT", "False"])
-    t = th.build_trainer("unbiased_teacher", opts)
+    opts = th.tiny_opts(synthetic_root.root, tmp_path / name, tmp_path / "cache", stage=name,
+                        max_iter=max_iter, extra=[*extra, "TEST.BRAIXDET.EVAL_STUDENT", "False"])
+    return th.build_trainer(name, opts)
+
+
+def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
+    """Burn-in (teacher = student), then weak losses with classification terms only."""
+    t = _competitor_trainer("unbiased_teacher", synthetic_root, tmp_path, monkeypatch, 3,
+                            ["SSL.BURN_IN_ITERS", "1", "SSL.TEACHER_SCORE_THRESH", "0.0"])
     assert type(t.model.roi_heads).__name__ == "FocalLossROIHeads"
     seen = []
     step = t._trainer
@@ -98,7 +102,7 @@ def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     assert seen[0] == ["loss_box_reg", "loss_cls", "loss_rpn_cls", "loss_rpn_loc"]  # burn-in
     weak = {k for keys in seen[1:] for k in keys if k.startswith("weak_")}
     assert weak == {"weak_loss_cls", "weak_loss_rpn_cls"}
-    assert os.path.exists(tmp_path / "ut" / "model_export.pth")
+    assert os.path.exists(tmp_path / "unbiased_teacher" / "model_export.pth")
 
 
 def test_background_weighting_matches_the_soft_teacher_formula():
@@ -135,18 +139,10 @@ def test_jitter_uncertainty_selects_the_stable_boxes():
 def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     """End to end from the first iteration: every loss term on the pseudo-labelled images, the
     classification one through the background-weighted loss, regression from reliable boxes."""
-    import _train_helpers as th
-
     from braixdet.ssl import soft_teacher
 
-    monkeypatch.setitem(th.CONFIGS, "soft_teacher", os.path.join(
-        REPO, "configs", "demo", "baselines", "soft_teacher.yaml"))
-    torch.set_num_threads(1)
-    opts = th.tiny_opts(synthetic_root.root, tmp_path / "st", tmp_path / "cache",
-                        stage="soft_teacher", max_iter=1, extra=[
-                            "SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3",
-                            "TEST.BRAIXDET.EVAL_STUDENT", "False"])
-    t = th.build_trainer("soft_teacher", opts)
+    t = _competitor_trainer("soft_teacher", synthetic_root, tmp_path, monkeypatch, 1,
+                            ["SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3"])
     calls, seen = [], []
     weighted = soft_teacher.background_weighted_cls_loss
     monkeypatch.setattr(soft_teacher, "background_weighted_cls_loss",
@@ -158,7 +154,7 @@ def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     assert {k for keys in seen for k in keys if k.startswith("weak_")} == {
         "weak_loss_cls", "weak_loss_box_reg", "weak_loss_rpn_cls", "weak_loss_rpn_loc"}
     assert calls
-    assert os.path.exists(tmp_path / "st" / "model_export.pth")
+    assert os.path.exists(tmp_path / "soft_teacher" / "model_export.pth")
 
 
 def test_stac_labels_with_the_fixed_supervised_detector(synthetic_root, tmp_path, monkeypatch):
