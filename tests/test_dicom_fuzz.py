@@ -215,13 +215,18 @@ def test_decompression_bomb_refused_before_allocation(tmp_path, rows, cols, enca
     assert _peak_mib(read) < 16  # the decoded grid would be >= 150 MiB
 
 
+def _j2k_codestream(path):
+    """A 64x64 JPEG 2000 DICOM at ``path``: (dataset, its codestream, offset of SOC+SIZ)."""
+    write_dicom(path, np.zeros((64, 64), np.uint16), transfer_syntax=JPEG2000Lossless)
+    ds = pydicom.dcmread(path)
+    code = bytearray(next(pydicom.encaps.generate_frames(ds.PixelData, number_of_frames=1)))
+    return ds, code, code.find(b"\xff\x4f\xff\x51")
+
+
 def test_j2k_codestream_larger_than_header_refused(tmp_path):
     """The codec allocates by the J2K SIZ marker: it must agree with Rows/Columns."""
-    p = write_dicom(tmp_path / "s.dcm", np.zeros((64, 64), np.uint16),
-                    transfer_syntax=JPEG2000Lossless)
-    ds = pydicom.dcmread(p)
-    frag = bytearray(next(pydicom.encaps.generate_frames(ds.PixelData, number_of_frames=1)))
-    i = frag.find(b"\xff\x4f\xff\x51")
+    p = tmp_path / "s.dcm"
+    ds, frag, i = _j2k_codestream(p)
     frag[i + 8:i + 16] = struct.pack(">II", 30000, 30000)  # Xsiz, Ysiz
     ds.PixelData = encapsulate([bytes(frag)])
     ds.save_as(p, enforce_file_format=True)
@@ -293,11 +298,7 @@ def test_j2k_fragment_layouts_of_a_valid_stream_decode(tmp_path):
 
 
 def test_j2k_without_siz_or_with_many_components_refused(tmp_path):
-    p = write_dicom(tmp_path / "b.dcm", np.zeros((64, 64), np.uint16),
-                    transfer_syntax=JPEG2000Lossless)
-    ds = pydicom.dcmread(p)
-    code = bytearray(next(pydicom.encaps.generate_frames(ds.PixelData, number_of_frames=1)))
-    i = code.find(b"\xff\x4f\xff\x51")
+    ds, code, i = _j2k_codestream(tmp_path / "b.dcm")
     many = bytearray(code)
     many[i + 40:i + 42] = struct.pack(">H", 16384)  # Csiz: 16384 components
     for name, frags, reason in [("junk", [b"\x00" * 70000, bytes(code)], "undecodable"),
