@@ -101,7 +101,13 @@ def test_paper_table_over_two_seeds(pipeline_run):
     for label, m in s0["results"].items():
         auc = m.get("exam_AUC")
         line = next(x for x in md.splitlines() if x.startswith(f"| {label} |"))
-        assert line.endswith(f"| {float(auc):.1f} ± 0.0 |" if auc is not None else "| n/a |"), line
+        want = f"{float(auc):.1f} ± 0.0" if auc is not None else "n/a"
+        assert line.split(" | ")[-2] == want, line
+    # the run time column: each row's own stage, CPU minutes, mean over the seeds
+    cpu = s0["row_cpu_seconds"]
+    assert set(cpu) == ROWS and all(v > 0 for v in cpu.values())
+    line = next(x for x in md.splitlines() if x.startswith("| BRAIxDet |"))
+    assert line.split(" | ")[-1] == f"{cpu['BRAIxDet'] / 60:.1f} |", line
 
 
 def test_pipeline_produces_every_artefact(pipeline_run):

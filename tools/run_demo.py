@@ -2,7 +2,8 @@
 """The README's main job: the whole BRAIxDet method on a synthetic DICOM dataset, on a CPU.
 
   make demo            (about 20 min on 2 cores)      make demo QUICK=1   (about 3 min)
-  python tools/run_demo.py --seeds 0 1 2               (3 seeds: the table as mean ± std)
+  python tools/run_demo.py --seeds 0 1 2               (3 seeds, every row incl. competitors:
+                                                       the table as mean ± std, about 70 min)
 
 What it runs and writes: braixdet/pipeline/demo.py. One seed shows no spread: rows within the
 seed spread are not ranked. SIGTERM/SIGINT stop the running stage; `--resume` continues.
@@ -12,6 +13,7 @@ import sys
 
 from braixdet.engine.preflight import run_tool
 from braixdet.pipeline.demo import run_demo
+from braixdet.pipeline.methods import CAM_ONLY, METHODS
 
 
 def parse_args(argv=None):
@@ -22,6 +24,9 @@ def parse_args(argv=None):
     seeds.add_argument("--seed", type=int, help="one seed (default 0)")
     seeds.add_argument("--seeds", nargs="+", type=int,
                        help="several seeds: the table shows mean ± std over them")
+    ap.add_argument("--methods", nargs="+", choices=[CAM_ONLY, *METHODS],
+                    help="the rows (default: the demo's four for one seed, every row for "
+                         "several)")
     ap.add_argument("--resume", action="store_true",
                     help="keep previous outputs: finished stages are skipped, interrupted "
                          "training resumes (default: recompute everything but the data)")
@@ -31,7 +36,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     seeds = args.seeds or [0 if args.seed is None else args.seed]
-    return run_demo(args.out, quick=args.quick, seeds=seeds, resume=args.resume)
+    return run_demo(args.out, quick=args.quick, seeds=seeds, resume=args.resume,
+                    methods=args.methods)
 
 
 if __name__ == "__main__":

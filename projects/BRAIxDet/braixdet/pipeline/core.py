@@ -13,6 +13,7 @@ killed or stopped pipeline re-run continues: finished stages are skipped and tra
 resume from their last checkpoint.
 """
 import os
+import resource
 import sys
 import time
 
@@ -23,7 +24,7 @@ from .results import (
     read_cam_quality,
     read_metrics,
 )
-from .stages import is_done, mark_done, read_json, run_stage
+from .stages import done_marker, is_done, mark_done, read_json, run_stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))))
@@ -56,6 +57,11 @@ def add_pipeline_arguments(ap, root_required=True):
     return ap
 
 
+def _children_cpu_seconds():
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # ended children and their own children
+    return ru.ru_utime + ru.ru_stime
+
+
 class Pipeline:
     def __init__(self, args):
         self.args = args
@@ -68,7 +74,8 @@ class Pipeline:
             "DATASETS.BRAIXDET.SPLIT_DIR", os.path.join(self.out, "splits"),
             "INPUT.BRAIXDET.CACHE_DIR", os.path.join(self.out, "cache"), "SEED", str(args.seed),
         ] + list(args.opts)
-        self.timings = {}
+        self.timings, self.cpu_timings = {}, {}  # stage -> seconds (wall, CPU)
+        self.row_stage = {}  # table row -> the stage that trained or scored it (its run time)
         self._names = None
         self.no_weak = False  # the full protocol on a source without weak cases (run_all)
 
@@ -80,10 +87,16 @@ class Pipeline:
 
     def run(self, name, cmd):
         """Run one stage (stages.run_stage); its full output goes to <out>/logs/<name>.log."""
-        t0 = time.time()
+        t0, cpu0 = time.time(), _children_cpu_seconds()
         run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"),
                   cwd=REPO)
         self.timings[name] = round(time.time() - t0, 1)
+        # CPU time of the stage's processes: unlike wall time, not inflated by other jobs
+        self.cpu_timings[name] = round(_children_cpu_seconds() - cpu0, 1)
+
+    def timed(self, name):
+        """The done-marker's record of a stage's run time."""
+        return {"seconds": self.timings.get(name), "cpu_seconds": self.cpu_timings.get(name)}
 
     def tool(self, name):
         return [self.python, os.path.join(TOOLS, name)]
@@ -122,6 +135,10 @@ class Pipeline:
     def skipped(self, name, folder):
         if is_done(folder):
             print(f"=== [{name}] skipped: {folder} is done")
+            marker = read_json(done_marker(folder))  # the run times of the run that did it
+            for key, timings in (("seconds", self.timings), ("cpu_seconds", self.cpu_timings)):
+                if marker.get(key) is not None:
+                    timings.setdefault(name, marker[key])
             return True
         return False
 
@@ -133,7 +150,7 @@ class Pipeline:
             # --resume: a re-run after a crash or a stop continues from <out>/last_checkpoint
             self.run(name, [*self.tool("train_net.py"), "--config-file", config, "--resume",
                             *self.launch_args(), *self.common, "OUTPUT_DIR", out, *opts])
-            mark_done(out, stage=name, config=config)
+            mark_done(out, stage=name, config=config, **self.timed(name))
         return out
 
     def stage1(self, name):
@@ -153,7 +170,7 @@ class Pipeline:
                                  "--config-file", self.config(STAGE1["mvccl"]), "--weights",
                                  mvccl_weights, "--out", out, *self.common, "OUTPUT_DIR",
                                  self.dir("mvccl"), *self.args.stage1_opts])
-            mark_done(folder, stage="gradcam", output=out)
+            mark_done(folder, stage="gradcam", output=out, **self.timed("gradcam"))
         return out
 
     def cam_settings(self):
@@ -178,11 +195,12 @@ class Pipeline:
                     "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts,
                     "MODEL.BRAIXDET.CAM.METHOD", method, "MODEL.BRAIXDET.CAM.TARGET_LAYER",
                     layer])
-                mark_done(out, stage=name)
+                mark_done(out, stage=name, **self.timed(name))
             paper = " (paper)" if (method, layer) == PAPER_CAM else ""
             label = f"CAM only ({'GradCAM' if method == 'gradcam' else 'LayerCAM'} {layer}" \
                     f"{paper})"
             rows[label] = read_metrics(out)
+            self.row_stage[label] = name
         return rows
 
     def detector(self, key, stage1_weights, cam_json):
@@ -235,11 +253,15 @@ class Pipeline:
             metrics = self.detector(key, stage1, cam_json)
             if key in a.methods:
                 results[METHODS[key].label] = metrics
+                self.row_stage[METHODS[key].label] = key
         summary = {"results": results,
                    "classifiers": {n: self.classifier_metrics(n) for n in stage1},
                    "stage1_models": stage1,
                    "cam_quality": read_cam_quality(cam_json),
-                   "timings_s": self.timings,
+                   "timings_s": self.timings, "cpu_timings_s": self.cpu_timings,
+                   # None: done by a run older than the timing in its done-marker
+                   "row_cpu_seconds": {r: self.cpu_timings.get(s)
+                                       for r, s in self.row_stage.items()},
                    "protocol": {"dataset": a.dataset, "protocol": a.protocol, "ratio": a.ratio,
                                 "seed": a.seed}}
         from ..utils.io import atomic_write_json

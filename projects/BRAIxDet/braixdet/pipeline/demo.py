@@ -15,10 +15,12 @@ import time
 
 from ..utils.io import atomic_write_json, atomic_write_text
 from .core import REPO, Pipeline, add_pipeline_arguments
-from .experiments import NOT_RANKED, run_seeds, write_experiments
+from .experiments import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
 from .results import format_classifiers, format_table
 
 METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
+# several seeds make the paper-style table: every row, the competitors too (about 24 min a seed)
+ALL_METHODS = DEFAULT_METHODS + ["stac", "unbiased_teacher", "soft_teacher"]
 # synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/RESULTS.md §1.5
 DEMO = {
     "full": dict(patients=160, rows=512, cols=320, separation=2.0, size=(256, 128),
@@ -104,23 +106,24 @@ def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
     return "\n".join(lines) + "\n"
 
 
-def pipeline_args(root, out, spec, base, seed):
+def pipeline_args(root, out, spec, base, seed, methods=METHODS):
     import argparse
 
     h, w = spec["size"]
     return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
         "--dataset", "cbis_ddsm", "--root", root, "--ratio", "1/8", "--seed", str(seed),
         "--out", out, "--configs", os.path.join(REPO, "configs", "demo"),
-        "--methods", *METHODS, "--num-gpus", "1",
+        "--methods", *methods, "--num-gpus", "1",
         "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(base, "cache"),  # survives re-runs
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["stage1_epochs"]),
         "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["det_epochs"])])
 
 
-def run_demo(out="out", quick=False, seeds=(0,), resume=False):
+def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
     """The demo into <out>/demo (or demo_quick); one seed there, several in <out>/demo/s<seed>
-    with the mean ± std table. Returns the (first seed's or the seeds') summary."""
+    with the mean ± std table. ``methods``: the rows (default: METHODS for one seed,
+    ALL_METHODS for several). Returns the (first seed's or the seeds') summary."""
     t0 = time.time()
     seeds = list(seeds)
     spec = DEMO["quick" if quick else "full"]
@@ -130,11 +133,12 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False):
         shutil.rmtree(out, ignore_errors=True)
     root = os.path.join(base, "data_quick" if quick else "data")
     make_data(root, spec)
-    args = pipeline_args(root, out, spec, base, seeds[0])
     one = len(seeds) == 1
+    methods = list(methods or (METHODS if one else ALL_METHODS))
+    args = pipeline_args(root, out, spec, base, seeds[0], methods)
     per_seed = run_seeds(args, seeds, out, per_seed_out=(lambda s: out) if one else None)
     first = Pipeline(args if one else pipeline_args(root, os.path.join(out, f"s{seeds[0]}"),
-                                                    spec, base, seeds[0]))
+                                                    spec, base, seeds[0], methods))
     if one:
         summary = per_seed[0]
         tables = (format_table(summary["results"]) + "\n\n"
