@@ -281,3 +281,22 @@ def test_registered_test_set_records_its_composition(synthetic_root, tmp_path):
     ev.evaluate()
     saved = json.load(open(tmp_path / "eval" / "metrics.json"))
     assert saved["test_images"] == "paper" and saved["num_images"] == len(test)
+
+
+@pytest.mark.parametrize("ratio,want", [("1", "1/1"), ("1.0", "1/1"), ("0.5", "1/2"),
+                                        ("1/8", "1/8")])
+def test_pipeline_passes_any_ratio_spelling_the_config_accepts(tmp_path, ratio, want):
+    """`run_pipeline.py --ratio 1` (e.g. with --protocol full) reached the config as the int 1,
+    which yacs refused (type mismatch with the string key): the pipeline passes "p/q"."""
+    import argparse
+
+    from braixdet.engine.setup import build_cfg
+    from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
+
+    args = add_pipeline_arguments(argparse.ArgumentParser()).parse_args(
+        ["--root", str(tmp_path), "--ratio", ratio, "--out", str(tmp_path / "out")])
+    common = Pipeline(args).common
+    assert common[common.index("DATASETS.BRAIXDET.RATIO") + 1] == want
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = build_cfg(os.path.join(repo, "configs", "demo", "MVCCL", "mvccl.yaml"), common)
+    assert cfg.DATASETS.BRAIXDET.RATIO == want

@@ -64,13 +64,18 @@ def _children_cpu_seconds():
 
 class Pipeline:
     def __init__(self, args):
+        from ..data.protocols import parse_ratio
+
         self.args = args
         self.out = os.path.abspath(args.out)
         self.python = sys.executable
+        # always "p/q": the config reads a bare "1" (--ratio 1, 1.0) as an int and refuses it
+        ratio = parse_ratio(args.ratio)
         self.common = [
             "DATASETS.BRAIXDET.FORMAT", args.dataset, "DATASETS.BRAIXDET.ROOT", args.root,
             "DATASETS.BRAIXDET.CSV", args.csv, "DATASETS.BRAIXDET.PROTOCOL", args.protocol,
-            "DATASETS.BRAIXDET.RATIO", args.ratio, "DATASETS.BRAIXDET.SEED", str(args.seed),
+            "DATASETS.BRAIXDET.RATIO", f"{ratio.numerator}/{ratio.denominator}",
+            "DATASETS.BRAIXDET.SEED", str(args.seed),
             "DATASETS.BRAIXDET.SPLIT_DIR", os.path.join(self.out, "splits"),
             "INPUT.BRAIXDET.CACHE_DIR", os.path.join(self.out, "cache"), "SEED", str(args.seed),
         ] + list(args.opts)
