@@ -185,6 +185,11 @@ def test_stac_labels_with_the_fixed_supervised_detector(synthetic_root, tmp_path
     fixed = safe_torch_load(str(export))["model"]
     teacher = t.teacher.state_dict()
     assert all(torch.equal(teacher[k], v) for k, v in fixed.items())
+    # STAC's model is the student trained on those labels: it is the one exported
+    exported = safe_torch_load(str(tmp_path / "stac" / "model_export.pth"))["model"]
+    student = t.model.state_dict()
+    assert all(torch.equal(student[k], v) for k, v in exported.items())
+    assert not all(torch.equal(fixed[k], v) for k, v in exported.items() if k in fixed)
 
 
 def test_jitter_selection_without_pseudo_boxes_asks_nothing():

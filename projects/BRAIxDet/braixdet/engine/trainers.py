@@ -467,7 +467,14 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
 
 class StudentTeacherTrainer(BRAIxDetTrainer):
     """Stage 2 student-teacher SSL (paper §3.2-3.3): the teacher is the reported, evaluated and
-    exported model; the student is also evaluated (``student/`` metrics)."""
+    exported model; the student is also evaluated (``student/`` metrics). With a fixed teacher
+    (EMA_ALPHA 1.0, STAC) the student is the method's model: it is reported and exported."""
+
+    def teacher_is_fixed(self):
+        return self.cfg.SSL.EMA_ALPHA >= 1.0
+
+    def reported_model(self):
+        return unwrap(self.model) if self.teacher_is_fixed() else unwrap(self.teacher)
 
     def build_teacher(self, cfg, model):
         return build_teacher(model)
@@ -492,7 +499,7 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
         return {"teacher": self.teacher}
 
     def deploy_model(self):
-        return unwrap(self.teacher)
+        return self.reported_model()
 
     def resume_or_load(self, resume=True):
         super().resume_or_load(resume=resume)
@@ -512,14 +519,14 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
 
     def _test_and_save_results(self):
         datasets = self.eval_datasets()
-        # the teacher is the model we report
-        results = self.test(self.cfg, self.teacher, datasets=datasets)
-        if self.cfg.TEST.BRAIXDET.EVAL_STUDENT:
+        results = self.test(self.cfg, self.reported_model(), datasets=datasets)
+        if self.cfg.TEST.BRAIXDET.EVAL_STUDENT and not self.teacher_is_fixed():
             results = dict(results)
             results.update(self.test(self.cfg, unwrap(self.model), prefix="student/",
                                      datasets=datasets))
-            self.model.train()
-            apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
+        # evaluating the student ends in its train(), which resets the BN modes
+        self.model.train()
+        apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
         self._last_eval_results = results
         return results
 
