@@ -11,6 +11,7 @@ from detectron2.data import DatasetCatalog
 from detectron2.engine import launch
 from detectron2.structures import Boxes, BoxMode, Instances
 
+from braixdet.engine.runtime import end_distributed
 from braixdet.evaluation import ClassificationEvaluator, MammoDetectionEvaluator
 
 
@@ -70,6 +71,7 @@ def _worker(name, out_dir, result_file):
             json.dump(res, f)
     else:
         assert res == {}, res
+    end_distributed()
 
 
 def test_two_process_evaluation_equals_single_process(tmp_path):

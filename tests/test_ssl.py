@@ -8,6 +8,7 @@ from detectron2.structures import Boxes, Instances
 from timm.layers import BatchNormAct2d
 from torch import nn
 
+from braixdet.engine.runtime import end_distributed
 from braixdet.ssl import (
     apply_bn_mode,
     build_teacher,
@@ -179,6 +180,7 @@ def _ddp_worker(out_dir):
         msg = str(e)
     with open(os.path.join(out_dir, f"finite{rank}.txt"), "w") as f:
         f.write(msg)
+    end_distributed()
 
 
 def test_ema_ddp_student_identical_teachers(tmp_path):

@@ -26,6 +26,7 @@ from detectron2.utils.logger import setup_logger
 from braixdet.engine import trainer_class
 from braixdet.engine.output_lock import acquire_output_lock
 from braixdet.engine.preflight import check_before_training, check_disk_space, user_error_line
+from braixdet.engine.runtime import end_distributed
 from braixdet.engine.setup import (
     build_cfg,
     check_output_dir_links,
@@ -57,10 +58,12 @@ def setup(args):
 
 def main(args):
     try:
-        return _main(args)
+        result = _main(args)
     except Exception:
         _to_log_file(traceback.format_exc())  # the console gets one line (see cli)
         raise
+    end_distributed()
+    return result
 
 
 def _main(args):

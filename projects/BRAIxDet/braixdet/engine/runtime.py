@@ -7,12 +7,17 @@ step, AP differences of several points after a short CPU run). torch's default i
 core count, so the same seed gives other numbers on another machine. A fixed value gives
 identical results on every machine with the same CPU instruction set (AVX-512 vs AVX2 kernels
 still round differently). 0 keeps torch's default.
+
+``end_distributed``: a launched worker that returns with its process group alive can abort at
+exit (gloo's threads: SIGABRT, "terminate called without an active exception"), which fails the
+whole launch after the work is done; every worker ends with it.
 """
 import logging
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["apply_num_threads"]
+__all__ = ["apply_num_threads", "end_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,3 +31,10 @@ def apply_num_threads(cfg):
         torch.set_num_threads(n)
         logger.info("torch intra-op threads: %d (NUM_THREADS)", n)
     return torch.get_num_threads()
+
+
+def end_distributed():
+    """After a launched worker's work: wait for every rank, then destroy the process group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
