@@ -9,7 +9,8 @@ malignant images whose boxes are known, from one trained BRAIxMVCCL checkpoint.
 Per (method, layer): the fraction of lesions hit by a box (IoU >= 0.2), of boxes on a lesion,
 the pointing game (the heatmap's maximum inside a lesion box, 4 px tolerance) and the median box
 area against the median lesion area, and the lesions hit per size bucket: the lesion box's side
-sqrt(w·h) in the canonical frame relative to the canonical width (--size-edges). Not part of
+sqrt(w·h) in the canonical frame relative to the canonical width (--size-edges). With
+--view-agreement δ ..., each heatmap is also scored after the view-agreement filter. Not part of
 `make bench` (it needs a trained classifier); the GradCAM table of docs/RESULTS.md §2 comes from it.
 """
 import argparse
@@ -25,10 +26,14 @@ from braixdet.engine.setup import build_cfg, load_inference_weights, register_an
 from braixdet.ssl.cam_boxes import (
     FUSED_LAYERS,
     CamSettings,
+    box_depths,
     cam_box_quality,
     cam_boxes_from_heatmap,
+    depth_profile,
     gradcam_heatmaps,
     lesions_hit,
+    nipple_column,
+    view_agreement_filter,
 )
 
 VARIANTS = [(m, layer) for m in ("gradcam", "layercam") for layer in ("res5", "res4", "res3")]
@@ -58,8 +63,11 @@ def hits_by_size(boxes, inputs, edges, canonical_width):
     return hit, total
 
 
-def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES):
-    boxes, points, areas = {}, 0, []
+def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES, aux_ids=None,
+             deltas=()):
+    """Quality of one heatmap's boxes; with ``deltas`` also after the view-agreement filter
+    (``aux_ids``: image_id -> the other view's image_id or None): {δ: quality}."""
+    boxes, points, areas, records = {}, 0, [], {}
     for x in inputs:
         heat, _ = gradcam_heatmaps(model, [x], method, layer)
         gts = x["instances"].gt_boxes.tensor.numpy()
@@ -68,13 +76,35 @@ def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES):
         b = cam_boxes_from_heatmap(heat[0], settings.tau, settings.min_area, settings.max_area)
         boxes[str(x["image_id"])] = b
         areas += [float((c[2] - c[0]) * (c[3] - c[1])) for c in b]
+        nipple = nipple_column(x["image"].numpy())
+        records[str(x["image_id"])] = {"boxes": b.tolist(), "scores": [1.0] * len(b),
+                                       "depths": box_depths(b, nipple).tolist(),
+                                       "profile": depth_profile(heat[0], nipple)}
     # canonical-frame GT, so the quality is measured where the heatmap lives
     dicts = [{"image_id": str(x["image_id"]), "annotations": [
         {"bbox": g.tolist(), "bbox_mode": 0} for g in x["instances"].gt_boxes.tensor.numpy()]}
         for x in inputs]
-    q = cam_box_quality(boxes, dicts)
-    q["by_size"] = hits_by_size(boxes, inputs, edges, settings.canonical_size[1])
-    return q, points / max(1, len(inputs)), float(np.median(areas)) if areas else 0.0
+
+    def quality(by_image):
+        q = cam_box_quality(by_image, dicts)
+        q["by_size"] = hits_by_size(by_image, inputs, edges, settings.canonical_size[1])
+        return q
+
+    agreed = {}
+    for delta in deltas:
+        pairs = [dict(d, aux_image_id=(aux_ids or {}).get(d["image_id"]),
+                      aux_missing=not (aux_ids or {}).get(d["image_id"])) for d in dicts]
+        kept, _ = view_agreement_filter(records, pairs, delta, settings.tau)
+        agreed[delta] = quality({k: np.asarray(v["boxes"]).reshape(-1, 4)
+                                 for k, v in kept.items()})
+    return (quality(boxes), points / max(1, len(inputs)),
+            float(np.median(areas)) if areas else 0.0, agreed)
+
+
+def table_row(name, q, point="–", area="–"):
+    per = " | ".join(f"{100 * h / t:.0f}% ({t})" if t else "– (0)" for h, t in zip(*q["by_size"]))
+    return (f"| {name} | {100 * q['lesion_hit_rate']:.0f}% | {per} | "
+            f"{100 * q['box_hit_rate']:.0f}% ({q['boxes']}) | {point} | {area} |")
 
 
 def main(argv=None):
@@ -87,6 +117,8 @@ def main(argv=None):
                     help="lesion-size bucket edges (side / canonical width), increasing")
     ap.add_argument("--variants", nargs="+", default=[f"{m}:{la}" for m, la in VARIANTS],
                     help="method:layer pairs to score (default: all)")
+    ap.add_argument("--view-agreement", nargs="*", type=float, default=[],
+                    help="also score each heatmap after the view-agreement filter with these δ")
     ap.add_argument("opts", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
@@ -100,8 +132,10 @@ def main(argv=None):
     settings = CamSettings.from_cfg(cfg)
     lines = []
     for name in args.datasets:
-        inputs = [x for x in (mapper(d) for d in DatasetCatalog.get(name)
-                              if d["label"] == 1 and d.get("annotations")) if x is not None]
+        dicts = [d for d in DatasetCatalog.get(name) if d["label"] == 1 and d.get("annotations")]
+        inputs = [x for x in map(mapper, dicts) if x is not None]
+        aux_ids = {str(d["image_id"]): None if d.get("aux_missing") else str(d["aux_image_id"])
+                   for d in dicts}
         gts = [x["instances"].gt_boxes.tensor.numpy() for x in inputs]
         gt_area = np.median([float((g[2] - g[0]) * (g[3] - g[1])) for b in gts for g in b])
         sides = np.concatenate([lesion_sides(b, settings.canonical_size[1]) for b in gts])
@@ -113,14 +147,15 @@ def main(argv=None):
                   + " | boxes on a lesion | pointing game | median box px² |",
                   "|---|---|" + "---|" * len(buckets) + "---|---|---|"]
         variants = [tuple(v.split(":", 1)) for v in args.variants]
+        rows = 0
         for method, layer in variants:
-            q, point, area = evaluate(model, inputs, settings, method, layer, args.size_edges)
-            per = " | ".join(f"{100 * h / t:.0f}% ({t})" if t else "– (0)"
-                             for h, t in zip(*q["by_size"]))
-            lines.append(f"| {method} {layer} | {100 * q['lesion_hit_rate']:.0f}% | {per} | "
-                         f"{100 * q['box_hit_rate']:.0f}% ({q['boxes']}) | {point:.2f} | "
-                         f"{area:.0f} |")
-        print("\n".join(lines[-len(variants) - 4:]), flush=True)
+            q, point, area, agreed = evaluate(model, inputs, settings, method, layer,
+                                              args.size_edges, aux_ids, args.view_agreement)
+            lines.append(table_row(f"{method} {layer}", q, f"{point:.2f}", f"{area:.0f}"))
+            lines += [table_row(f"{method} {layer}, view agreement δ={d:g}", qa)
+                      for d, qa in agreed.items()]
+            rows += 1 + len(agreed)
+        print("\n".join(lines[-rows - 4:]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

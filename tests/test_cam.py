@@ -24,12 +24,17 @@ from braixdet.ssl.cam_boxes import (
     FUSED_LAYERS,
     CamSettings,
     _minmax,
+    box_depths,
     boxes_to_original,
     cam_box_quality,
     cam_boxes_from_heatmap,
+    depth_profile,
     gradcam_heatmaps,
     known_lesions,
+    load_cam_boxes,
+    nipple_column,
     scaled_area_limits,
+    view_agreement_filter,
     write_cam_boxes,
 )
 
@@ -341,6 +346,66 @@ class _FakeMapper:
                 "transforms": TransformList([NoOpTransform()])}
 
 
+def test_depths_and_profile_are_measured_from_the_nipple():
+    image = np.zeros((1, 4, 10))
+    image[0, :, :8] = 1  # columns 8-9: padding beyond the nipple
+    assert nipple_column(image) == 8
+    np.testing.assert_allclose(box_depths([[6, 0, 8, 2], [0, 0, 2, 2]], 8), [1 / 8, 7 / 8])
+    heat = np.zeros((4, 10))
+    heat[1, 2], heat[2, 6], heat[3, 9] = 0.9, 0.4, 1.0  # column 9 lies outside the breast
+    # column c's depth is (8 - c - 0.5) / 8: c = 2 -> 0.6875 (bin 2 of 4), c = 6 -> 0.1875
+    np.testing.assert_allclose(depth_profile(heat, 8, bins=4), [0.4, 0, 0.9, 0])
+
+
+def test_view_agreement_keeps_boxes_the_other_view_confirms():
+    profile = lambda *hot: [0.8 if k in hot else 0.1 for k in range(4)]  # noqa: E731
+    images = {
+        "cc": {"boxes": [[0, 0, 1, 1], [2, 2, 3, 3]], "scores": [0.9, 0.9],
+               "depths": [0.2, 0.7], "profile": profile(0, 3)},  # bin centres .125 ... .875
+        "mlo": {"boxes": [[4, 4, 5, 5]], "scores": [0.8], "depths": [0.1],
+                "profile": profile(0)},
+        "alone": {"boxes": [[0, 0, 2, 2]], "scores": [0.7], "depths": [0.5],
+                  "profile": profile()},
+        "other_not_labelled": {"boxes": [[0, 0, 2, 2]], "scores": [0.7], "depths": [0.9],
+                               "profile": profile()},
+    }
+    dicts = [{"image_id": "cc", "aux_image_id": "mlo"}, {"image_id": "mlo", "aux_image_id": "cc"},
+             {"image_id": "alone", "aux_image_id": "alone", "aux_missing": True},
+             {"image_id": "other_not_labelled", "aux_image_id": "x"}]
+    kept, counts = view_agreement_filter(images, dicts, delta=0.1, tau=0.5)
+    # cc's box at depth 0.7 has nothing within ±0.1 (+ half a bin) in the MLO profile
+    assert kept["cc"]["boxes"] == [[0, 0, 1, 1]] and kept["cc"]["depths"] == [0.2]
+    assert kept["cc"]["scores"] == [0.9]
+    assert kept["mlo"]["boxes"] == [[4, 4, 5, 5]]
+    assert kept["alone"] == images["alone"] and kept["other_not_labelled"]["boxes"]
+    assert counts == {"kept": 4, "dropped": 1, "unpaired_images": 2}
+    # a wide enough window keeps everything
+    assert view_agreement_filter(images, dicts, delta=0.6, tau=0.5)[1]["dropped"] == 0
+
+
+def test_written_file_feeds_the_view_agreement_filter(classifier, tmp_path):
+    """The file keeps each box's depth and each map's profile; load_cam_boxes filters with them
+    (SSL.CAM_VIEW_AGREEMENT) and leaves them alone at δ = 0."""
+    model, _ = classifier
+    dicts = [{"image_id": f"i{k}", "height": H, "width": W, "label": 1,
+              "aux_image_id": f"i{1 - k}"} for k in range(2)]
+    (tmp_path / "w.pth").write_bytes(b"w")
+    out = str(tmp_path / "cam.json")
+    s = CamSettings(tau=0.5, min_area=1, max_area=H * W, canonical_size=(H, W))
+    res = write_cam_boxes(out, model, _FakeMapper(), dicts, s, str(tmp_path / "w.pth"), "ds", 2)
+    rec = res["images"]["i0"]
+    assert len(rec["depths"]) == len(rec["boxes"]) and len(rec["profile"]) == 64
+    nipple = nipple_column(_FakeMapper()(dicts[0])["image"].numpy())
+    np.testing.assert_allclose(rec["depths"], box_depths(rec["boxes"], nipple), atol=1e-4)
+    assert load_cam_boxes(out, dicts, 0.0) == res["images"]
+    expected, _ = view_agreement_filter(res["images"], dicts, 0.05, 0.5)
+    assert load_cam_boxes(out, dicts, 0.05) == expected
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps({"images": {"i0": {"boxes": [], "scores": []}}}))
+    with pytest.raises(ValueError, match="no depth profiles"):
+        load_cam_boxes(str(legacy), dicts, 0.05)
+
+
 def test_resume_only_with_the_same_weights_and_settings(classifier, tmp_path, caplog):
     model, _ = classifier
     dicts = [{"image_id": f"i{k}", "height": H, "width": W, "label": 1} for k in range(3)]
@@ -393,11 +458,13 @@ def test_cam_layer_experiment_runs_through_main(synthetic_root, tmp_path):
     out = tmp_path / "table.md"
     experiment_cam_layers.main(["--config-file", config, "--weights", weights, "--datasets",
                                 "cbis_ddsm_test", "--variants", "gradcam:res5",
-                                f"layercam:{FUSED_LAYERS}", "--out", str(out), *opts])
+                                f"layercam:{FUSED_LAYERS}", "--view-agreement", "0.1",
+                                "--out", str(out), *opts])
     table = out.read_text()
     assert "| gradcam res5 |" in table and "| layercam res3+res4+res5 |" in table
-    # header + one row per (method, layer)
-    assert table.count("\n| ") == 1 + 2
+    assert "| gradcam res5, view agreement δ=0.1 |" in table
+    # header + one row per (method, layer), each also after the filter
+    assert table.count("\n| ") == 1 + 2 * 2
     # every lesion lands in exactly one size bucket
     lesions = sum(len(known_lesions(d)) for d in DatasetCatalog.get("cbis_ddsm_test")
                   if d["label"] == 1 and d.get("annotations"))

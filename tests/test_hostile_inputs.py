@@ -770,6 +770,7 @@ def test_tiny_images_refused(tmp_path, side):
     ("DATASETS.BRAIXDET.FORMAT", "dicomdir", "one of 'cbis_ddsm', 'exam_csv', 'vindr_mammo'"),
     ("DATASETS.BRAIXDET.VAL_FRACTION", "1.5", "a number in [0, 1)"),
     ("INPUT.BRAIXDET.MASK_DOWNSAMPLE", "0", "an integer >= 1"),
+    ("SSL.CAM_VIEW_AGREEMENT", "1.5", "a number in [0, 1)"),
 ])
 def test_bad_config_value_is_one_line_before_any_data(synthetic_root, tmp_path, key, value,
                                                       allowed):

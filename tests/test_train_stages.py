@@ -177,6 +177,36 @@ def ssl_run(work, stage1):
     return types.SimpleNamespace(trainer=t, rec=rec, init=init, opts=opts, cam=cam)
 
 
+def test_cam_view_agreement_filters_the_boxes_stage2_reads(work, stage1):
+    """SSL.CAM_VIEW_AGREEMENT: the trainer's CAM boxes are the filtered ones (every box at
+    depth 0.5, every map firing only at the nipple: paired boxes go, unpaired ones stay)."""
+    import json
+
+    from _train_helpers import CONFIGS
+    from detectron2.data import DatasetCatalog
+
+    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+    from braixdet.ssl.cam_boxes import view_agreement_filter
+
+    probe = build_cfg(CONFIGS["braixdet"], _opts(work, work.dir / "probe_va", "braixdet"))
+    register_and_assign_datasets(probe)
+    weak = probe.DATASETS.TRAIN_WEAK[0]
+    cam = weak_cam_json(work.dir / "cam_va.json", weak)
+    data = json.loads(cam.read_text())
+    for rec in data["images"].values():
+        rec.update(depths=[0.5], profile=[1.0] + [0.0] * 63)
+    cam.write_text(json.dumps(data))
+    lookups = {}
+    for delta in (0.0, 0.1):
+        opts = _opts(work, work.dir / f"va{delta}", "braixdet", max_iter=1,
+                     init_from=stage1.ckpt, cam_json=cam,
+                     extra=["SSL.CAM_VIEW_AGREEMENT", str(delta)])
+        lookups[delta] = build_trainer("braixdet", opts)._trainer.cam_lookup
+    assert lookups[0.0] == data["images"]
+    expected, counts = view_agreement_filter(data["images"], DatasetCatalog.get(weak), 0.1, 0.5)
+    assert lookups[0.1] == expected and counts["dropped"] > 0
+
+
 def test_stage2_init_from_classifier(ssl_run, stage1):
     cls = load_ckpt(stage1.ckpt)["model"]
     enc = [k for k in cls if k.startswith("bottom_up.encoder.") and cls[k].is_floating_point()]

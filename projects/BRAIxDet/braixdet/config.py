@@ -144,6 +144,9 @@ def _add_ssl_config(cfg):
     s.BN_MODE = "frozen"  # frozen | open | ema
     s.USE_CAM = True  # Algorithm 2: fuse GradCAM boxes with the teacher's early on
     s.CAM_JSON = ""  # output of tools/gradcam_pseudo_labels.py
+    # View agreement (our choice; 0 = off, the paper): keep a CAM box only if the other view's
+    # map exceeds τ within ± this fraction of the breast's depth from the nipple (cam_boxes.py)
+    s.CAM_VIEW_AGREEMENT = 0.0
     s.CAM_FUSION_EPOCHS = 2.0  # epochs of D_w with fusion (paper: 2)
     s.CAM_FUSION_ITERS = -1  # >= 0 overrides CAM_FUSION_EPOCHS, in iterations
     s.PSEUDO_NMS_THRESH = 0.2  # τ_nms when fusing teacher and CAM boxes

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from detectron2.data import DatasetCatalog
 from detectron2.engine import DefaultTrainer, SimpleTrainer, TrainerBase, create_ddp_model
 from detectron2.engine import hooks as d2_hooks
 from detectron2.evaluation import inference_on_dataset, print_csv_format
@@ -486,7 +487,9 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
         weak = LazyResumableLoader(
             lambda s: build_stream_loader(cfg, "weak", weak_names, start_iter=s))
         use_cam = cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON
-        cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON) if use_cam else {}
+        weak_dicts = [d for n in cfg.DATASETS.TRAIN_WEAK for d in DatasetCatalog.get(n)]
+        cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON, weak_dicts,
+                                    cfg.SSL.CAM_VIEW_AGREEMENT) if use_cam else {}
         fusion_iters = fusion_iters_from_cfg(
             num_weak_images=num_images(cfg.DATASETS.TRAIN_WEAK),
             weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,

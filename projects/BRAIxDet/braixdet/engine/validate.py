@@ -86,6 +86,7 @@ def _checks():
         "MODEL.BRAIXDET.CAM.TARGET_LAYER": _one_of("res3", "res4", "res5", "res3+res4+res5"),
         "MODEL.BRAIXDET.CAM.TAU": _number_in(0, 1, lo_open=True, hi_open=True),
         "SSL.EMA_ALPHA": _number_in(0, 1),
+        "SSL.CAM_VIEW_AGREEMENT": _number_in(0, 1, hi_open=True),
         "SSL.LAMBDA_WEAK": _number_in(0, math.inf, hi_open=True),
         "SSL.BN_MODE": _one_of(*BN_MODES),
     }

@@ -13,6 +13,10 @@ STAGE1 = {"mvccl": "MVCCL/mvccl.yaml",
           "classifier_single_view": "MVCCL/single_view_classifier.yaml"}
 
 
+# δ of the view-agreement row: chosen on development set A's hit rates (docs/RESULTS.md §2.3)
+VIEW_AGREEMENT = 0.1
+
+
 @dataclass(frozen=True)
 class Method:
     label: str  # the row of the results table
@@ -41,6 +45,10 @@ METHODS = {
     "mean_teacher": Method("MV + SSL (Mean Teacher)", "baselines/mean_teacher_multiview.yaml",
                            "mvccl"),
     "braixdet": Method("BRAIxDet", "BRAIxDet/braixdet.yaml", "mvccl", cam=True),
+    # our option (issue 20): GradCAM boxes only where the other view's map agrees in depth
+    "braixdet_view_agreement": Method("BRAIxDet + view agreement", "BRAIxDet/braixdet.yaml",
+                                      "mvccl", cam=True,
+                                      opts=("SSL.CAM_VIEW_AGREEMENT", str(VIEW_AGREEMENT))),
     # competitors of the paper's Tables 1-4 (single view, issue 22)
     "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
                                "classifier_single_view"),

@@ -17,6 +17,14 @@ Heatmap methods (MODEL.BRAIXDET.CAM.METHOD / TARGET_LAYER):
   min-max normalised maps of each stage, upsampled to the input size, averaged and normalised
   again (τ keeps meaning "fraction of the maximum"). Coarse stages see large lesions, fine ones
   small lesions; one forward/backward pass per stage.
+
+View agreement (SSL.CAM_VIEW_AGREEMENT = δ > 0, applied when stage 2 reads the file; our choice
+after the paper's multi-view argument, §3.1): a lesion lies at about the same depth from the
+nipple in CC and MLO. A box of one view is kept only if the other view's heatmap exceeds τ
+somewhere within ±δ of the box centre's depth (depth: distance from the nipple over the breast's
+depth, in the canonical frame, where the chest wall is at x = 0 and the nipple is the breast's
+right-most column). The file stores each box's depth and each map's depth profile for it.
+Images whose other view is missing or not labelled keep their boxes.
 """
 import hashlib
 import json
@@ -43,9 +51,14 @@ __all__ = [
     "iter_cam_boxes",
     "cam_box_quality",
     "lesions_hit",
+    "boxes_quality",
     "write_cam_boxes",
     "load_cam_boxes",
     "cam_boxes_in_input_frame",
+    "nipple_column",
+    "depth_profile",
+    "box_depths",
+    "view_agreement_filter",
 ]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +67,7 @@ METHODS = ("gradcam", "layercam")
 FUSED_LAYERS = "res3+res4+res5"
 TARGET_LAYERS = ("res5", "res4", "res3", FUSED_LAYERS)
 IOU_HIT = 0.2  # a pseudo-box "hits" a lesion at the evaluation's IoU (paper §4.2)
+DEPTH_BINS = 64  # resolution of the stored depth profile (view agreement)
 
 
 def scaled_area_limits(canonical_size, ref_size=(1536, 768), limits=(32**2, 1024**2)):
@@ -177,10 +191,58 @@ def boxes_to_original(boxes: np.ndarray, tfm, size: Optional[Sequence[int]] = No
     return boxes.astype(np.float32)
 
 
+def nipple_column(image) -> int:
+    """The canonical image's right-most breast column + 1 (outside the breast is zero)."""
+    cols = np.flatnonzero(np.asarray(image).reshape(-1, np.asarray(image).shape[-1]).any(axis=0))
+    return int(cols[-1]) + 1 if len(cols) else int(np.asarray(image).shape[-1])
+
+
+def box_depths(boxes: np.ndarray, nipple_x: int) -> np.ndarray:
+    """Depth of each canonical XYXY box centre: 0 at the nipple, 1 at the chest wall."""
+    cx = (np.asarray(boxes, float).reshape(-1, 4)[:, 0::2]).mean(axis=1)
+    return np.clip((nipple_x - cx) / max(nipple_x, 1), 0.0, 1.0)
+
+
+def depth_profile(heatmap: np.ndarray, nipple_x: int, bins=DEPTH_BINS) -> np.ndarray:
+    """Per depth bin (0 = nipple ... 1 = chest wall), the heatmap's maximum over those columns."""
+    col_max = np.asarray(heatmap, float).max(axis=0)[:nipple_x]
+    depth = np.clip((nipple_x - (np.arange(len(col_max)) + 0.5)) / max(nipple_x, 1), 0, 1)
+    profile = np.zeros(bins)
+    np.maximum.at(profile, np.minimum((depth * bins).astype(int), bins - 1), col_max)
+    return profile
+
+
+def view_agreement_filter(images: Dict[str, dict], dicts, delta: float, tau: float):
+    """``images`` (image_id -> record with "boxes", "scores", "depths", "profile") with each box
+    kept only if the other view's profile exceeds ``tau`` within ±``delta`` of its depth.
+    Returns (filtered records, {"kept", "dropped", "unpaired_images"})."""
+    aux = {str(d["image_id"]): (None if d.get("aux_missing") else str(d.get("aux_image_id")))
+           for d in dicts}
+    out, kept, dropped, unpaired = {}, 0, 0, 0
+    for image_id, rec in images.items():
+        other = images.get(aux.get(image_id) or "")
+        if other is None or other.get("profile") is None:
+            out[image_id] = rec
+            unpaired += 1
+            kept += len(rec["boxes"])
+            continue
+        profile = np.asarray(other["profile"], float)
+        centres = (np.arange(len(profile)) + 0.5) / len(profile)
+        keep = [bool((profile[np.abs(centres - d) <= delta + 0.5 / len(profile)] > tau).any())
+                for d in rec.get("depths", [])]
+        out[image_id] = dict(rec, boxes=[b for b, k in zip(rec["boxes"], keep) if k],
+                             scores=[s for s, k in zip(rec["scores"], keep) if k],
+                             depths=[d for d, k in zip(rec["depths"], keep) if k])
+        kept += sum(keep)
+        dropped += len(keep) - sum(keep)
+    return out, {"kept": kept, "dropped": dropped, "unpaired_images": unpaired}
+
+
 def iter_cam_boxes(model, mapper, dicts, settings: CamSettings, batch_size=4,
-                   desc="GradCAM") -> Iterator[Tuple[dict, dict, np.ndarray, float]]:
+                   desc="GradCAM", with_depths=False) -> Iterator[Tuple]:
     """Yield (dataset dict, mapped input, boxes (K, 4) in ORIGINAL pixels, probability) per
-    loadable image (unreadable files are reported by the mapper and skipped)."""
+    loadable image (unreadable files are reported by the mapper and skipped); with
+    ``with_depths`` also (box depths (K,), depth profile) for the view-agreement filter."""
     s = settings
     for i in tqdm(range(0, len(dicts), batch_size), desc=desc, unit="batch"):
         pairs = [(d, mapper(d)) for d in dicts[i:i + batch_size]]
@@ -191,8 +253,12 @@ def iter_cam_boxes(model, mapper, dicts, settings: CamSettings, batch_size=4,
                                            s.target_layer)
         for (d, x), heat, prob in zip(pairs, heatmaps, probs):
             boxes = cam_boxes_from_heatmap(heat, s.tau, s.min_area, s.max_area)
-            yield d, x, boxes_to_original(boxes, x["transforms"], (d["height"], d["width"])), \
-                float(prob)
+            item = (d, x, boxes_to_original(boxes, x["transforms"], (d["height"], d["width"])),
+                    float(prob))
+            if with_depths:
+                nipple = nipple_column(x["image"].numpy())
+                item += (box_depths(boxes, nipple), depth_profile(heat, nipple))
+            yield item
 
 
 def _iou(boxes, gts):
@@ -239,6 +305,12 @@ def cam_box_quality(boxes_by_image: Dict[str, np.ndarray], dicts) -> dict:
     return {"images_with_known_lesions": n_img, "boxes": n_boxes, "lesions": n_lesions,
             "box_hit_rate": box_hits / n_boxes if n_boxes else float("nan"),
             "lesion_hit_rate": lesion_hits / n_lesions if n_lesions else float("nan")}
+
+
+def boxes_quality(images: Dict[str, dict], dicts) -> dict:
+    """``cam_box_quality`` of records as written (image_id -> {"boxes", ...})."""
+    return cam_box_quality({k: np.asarray(v["boxes"]).reshape(-1, 4) for k, v in images.items()},
+                           dicts)
 
 
 def _file_digest(path):
@@ -299,7 +371,7 @@ def _read_partial(partial, fp):
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 break  # a torn last line from a killed run
-            done[rec["image_id"]] = {"boxes": rec["boxes"], "scores": rec["scores"]}
+            done[rec.pop("image_id")] = rec
     logger.info("resuming %s: %d images already labelled", partial, len(done))
     return done
 
@@ -322,27 +394,44 @@ def write_cam_boxes(out, model, mapper, dicts, settings: CamSettings, weights: s
             f.write(json.dumps({"fingerprint": fp}) + "\n")
     todo = [d for d in dicts if str(d["image_id"]) not in done]
     with open(partial, "a") as f:
-        for d, _, boxes, prob in iter_cam_boxes(model, mapper, todo, settings, batch_size):
-            rec = {"image_id": str(d["image_id"]), "boxes": boxes.round(2).tolist(),
-                   "scores": [prob] * len(boxes)}
-            f.write(json.dumps(rec) + "\n")
+        for d, _, boxes, prob, depths, profile in iter_cam_boxes(
+                model, mapper, todo, settings, batch_size, with_depths=True):
+            image_id = str(d["image_id"])
+            rec = {"boxes": boxes.round(2).tolist(), "scores": [prob] * len(boxes),
+                   "depths": depths.round(4).tolist(), "profile": profile.round(4).tolist()}
+            f.write(json.dumps({"image_id": image_id, **rec}) + "\n")
             f.flush()
-            done[rec["image_id"]] = {"boxes": rec["boxes"], "scores": rec["scores"]}
-    quality = cam_box_quality({k: np.asarray(v["boxes"]) for k, v in done.items()}, dicts)
+            done[image_id] = rec
+
     result = {"meta": {"fingerprint": fp, "num_images": len(done),
                        "num_boxes": sum(len(v["boxes"]) for v in done.values()),
-                       "quality": quality},
+                       "quality": boxes_quality(done, dicts)},
               "images": done}
     atomic_write_json(out, result)
     os.remove(partial)
     return result
 
 
-def load_cam_boxes(path: str) -> Dict[str, dict]:
-    """image_id -> {"boxes" (original px), "scores"} from a ``write_cam_boxes`` file."""
+def load_cam_boxes(path: str, dicts=None, view_agreement: float = 0.0) -> Dict[str, dict]:
+    """image_id -> {"boxes" (original px), "scores", ...} from a ``write_cam_boxes`` file; with
+    ``view_agreement`` δ > 0 after the view-agreement filter, pairing by ``dicts``."""
     with open(path) as f:
         data = json.load(f)
-    return data.get("images", data)
+    images = data.get("images", data)
+    if view_agreement <= 0:
+        return images
+    if any("profile" not in v for v in images.values()):
+        raise ValueError(f"{path}: no depth profiles (written by an older version): rerun "
+                         "tools/gradcam_pseudo_labels.py to use SSL.CAM_VIEW_AGREEMENT")
+    tau = data.get("meta", {}).get("fingerprint", {}).get("settings", {}).get("tau", 0.5)
+    kept, counts = view_agreement_filter(images, dicts or [], view_agreement, tau)
+    quality = boxes_quality(kept, dicts or [])
+    logger.info("View agreement (δ=%g): %d CAM boxes kept, %d dropped (%d images without a "
+                "labelled other view); %.1f%% of the boxes hit a lesion where known (%.1f%% "
+                "before)", view_agreement, counts["kept"], counts["dropped"],
+                counts["unpaired_images"], 100 * quality["box_hit_rate"],
+                100 * boxes_quality(images, dicts or [])["box_hit_rate"])
+    return kept
 
 
 def cam_boxes_in_input_frame(batched_inputs, lookup) -> Dict[str, Tuple[torch.Tensor,
