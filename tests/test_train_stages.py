@@ -225,6 +225,8 @@ def test_stage2_ssl_weak_losses_and_cam_phase(ssl_run):
         assert all(math.isfinite(v) for v in weak.values()), (it, weak)
         assert scalars["ssl/weak_images_with_targets"] > 0, it
         assert scalars["ssl/cam_fusion"] == float(it < CAM_ITERS), (it, scalars)
+    # top-1 pseudo-labels: the teacher's best box on every malignant weak image
+    assert sum(s["ssl/pseudo_boxes"] for s in rec.values()) > 0
 
 
 def test_stage2_teacher_is_ema_of_student(ssl_run):

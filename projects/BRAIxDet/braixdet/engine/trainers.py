@@ -257,6 +257,10 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
             storage = get_event_storage()
             storage.put_scalar("ssl/weak_images_with_targets", len(weak_batch),
                                smoothing_hint=False)
+            # thresholded teachers (the competitors) may give none: all-background images
+            storage.put_scalar("ssl/pseudo_boxes",
+                               sum(len(w["instances"]) for w in weak_batch),
+                               smoothing_hint=False)
             storage.put_scalar("ssl/cam_fusion", float(cam_active), smoothing_hint=False)
 
 
