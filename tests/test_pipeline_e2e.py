@@ -427,6 +427,29 @@ def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, c
         assert math.isfinite(float(m.get("bbox", m)["AP20"]))
 
 
+def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsys):
+    """Issue 22: STAC, Unbiased Teacher and Soft Teacher as rows of run_pipeline.main(), from
+    the single-view classifier; STAC labels D_w with the Faster R-CNN row's export (copied here
+    with the classifier, so only the three competitors train) and reports its own student."""
+    import importlib.util
+
+    out = tmp_path / "competitors"
+    _copy_stage1(pipeline_run["out"], out, ("classifier_single_view", "faster_rcnn"))
+    spec = importlib.util.spec_from_file_location(
+        "run_pipeline_tool", os.path.join(REPO, "tools", "run_pipeline.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    methods = ("stac", "unbiased_teacher", "soft_teacher")
+    summary = tool.main(pipeline_argv(pipeline_run["root"], out, methods))
+    text = capsys.readouterr().out
+    assert "[faster_rcnn] skipped" in text and "[mvccl]" not in text
+    assert set(summary["results"]) == {"STAC", "Unbiased Teacher", "Soft Teacher"}
+    for m in summary["results"].values():
+        assert math.isfinite(float(m.get("bbox", m)["AP20"]))
+    stac = (out / "logs" / "stac.log").read_text()
+    assert str(out / "faster_rcnn" / "model_export.pth") in stac
+
+
 def _readme_commands():
     """(tool, argv) of every `python tools/X.py ...` command in README.md's code blocks."""
     import re
