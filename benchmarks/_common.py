@@ -2,10 +2,12 @@
 device / AMP / peak-memory handling, synchronised interleaved timing and markdown tables.
 
 Every model benchmark takes ``--device`` (default ``cuda`` when available, else ``cpu``),
-``--amp`` / ``--compare-amp`` (``add_device_args``) and calls ``set_device`` once: ``timeit``
-(and so ``interleaved``) then synchronises the device before reading the clock, ``measure_peak``
-reads the peak memory of one call (CUDA: ``max_memory_allocated`` after
-``reset_peak_memory_stats``; CPU: n/a per variant, the process's peak RSS is reported instead).
+``--amp`` / ``--compare-amp`` (``add_device_args``); ``parse_args`` validates the device and stores
+it, normalised, on ``args.device``. The helpers take that device as an argument (no module state:
+a helper cannot silently use another device than the one it is given): ``timeit`` (and so
+``interleaved``) synchronises it before reading the clock, ``measure_peak`` reads the peak memory
+of one call (CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``; CPU: n/a per
+variant, the process's peak RSS is reported instead).
 
 Benchmarks are run as scripts (``python benchmarks/benchmark_x.py``), so this module is imported
 as ``_common`` (the script's folder is on ``sys.path``).
@@ -32,14 +34,8 @@ _NO_STAGE1 = ("MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", "MODEL.WEIGHTS", "",
               "SSL.CAM_JSON", "", "SSL.USE_CAM", "False")
 
 
-_START_LOAD = None
-
-
 def set_threads():
-    """torch threads from $BENCH_THREADS (default 2: the benchmark machine's core count).
-    Also records the load average before the benchmark's own work (for env_line)."""
-    global _START_LOAD
-    _START_LOAD = load_average()
+    """torch threads from $BENCH_THREADS (default 2: the benchmark machine's core count)."""
     n = int(os.environ.get("BENCH_THREADS", 2))
     torch.set_num_threads(n)
     return n
@@ -63,9 +59,11 @@ def cpu_model():
     return platform.processor() or "unknown CPU"
 
 
-def env_line():
-    la, la0 = load_average(), _START_LOAD or load_average()
-    line = (f"{device_line()}; "
+def env_line(device, start_load):
+    """The report's environment line; ``start_load``: the load average before the benchmark's
+    own work (``args.start_load``), to tell a shared machine from the benchmark's own load."""
+    la, la0 = load_average(), start_load
+    line = (f"{device_line(device)}; "
             f"torch {torch.__version__}, threads {torch.get_num_threads()}, {cpu_model()} "
             f"({os.cpu_count()} cores), python {platform.python_version()}, "
             f"load average (1/5/15 min) at start {la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f}, "
@@ -110,9 +108,6 @@ def build_cfg(config="demo/BRAIxDet/braixdet.yaml", opts=(), output_dir=None):
 
 # -- device, synchronisation, peak memory, AMP ------------------------------------------------
 
-_DEVICE = "cpu"
-
-
 def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -142,18 +137,21 @@ def add_grad_checkpointing_arg(ap):
 
 
 def parse_args(ap):
-    """The flags every benchmark shares (--opts, --out), parsed; threads and device set."""
+    """The flags every benchmark shares (--opts, --out), parsed; threads set. ``args.device`` is
+    the validated, normalised device (pass it to the helpers below) and ``args.start_load`` the
+    load average before the benchmark's own work (for ``env_line``)."""
     ap.add_argument("--opts", nargs=argparse.REMAINDER, default=[], help="extra config opts")
     ap.add_argument("--out", default=None, help="also write the markdown report here")
     args = ap.parse_args()
+    args.start_load = load_average()
     set_threads()
-    set_device(args.device)
+    args.device = check_device(args.device)
     return args
 
 
-def set_device(device):
-    """Validate and remember the benchmark's device (``timeit`` / ``sync`` use it)."""
-    global _DEVICE
+def check_device(device):
+    """Validate ``--device`` (exits with a message if unusable), make cuda:N the current CUDA
+    device, and return the normalised device string ("cuda:0", "cpu")."""
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -163,36 +161,34 @@ def set_device(device):
             torch.cuda.set_device(dev.index)
     elif dev.type != "cpu":
         sys.exit(f"--device {device}: only cpu and cuda[:N] are supported")
-    _DEVICE = str(dev)
-    return _DEVICE
+    return str(dev)
 
 
-def device_type(device=None):
-    return torch.device(device or _DEVICE).type
+def device_type(device):
+    return torch.device(device).type
 
 
-def is_cuda(device=None):
+def is_cuda(device):
     return device_type(device) == "cuda"
 
 
-def sync(device=None):
+def sync(device):
     """Wait for the device's queued work (CUDA kernels run asynchronously): call before
     reading a clock. A no-op on CPU."""
     if is_cuda(device):
-        torch.cuda.synchronize(torch.device(device or _DEVICE))
+        torch.cuda.synchronize(torch.device(device))
 
 
-def device_opts(device=None):
+def device_opts(device):
     """Config opts putting the model on the benchmark's device."""
-    return ["MODEL.DEVICE", str(device or _DEVICE)]
+    return ["MODEL.DEVICE", str(device)]
 
 
-def to_device(x, device=None):
+def to_device(x, device):
     """Tensors / Instances in (lists of) input dicts moved to the device (what a model does with
     its inputs anyway; moving them beforehand keeps host->device copies out of the timing)."""
     from detectron2.structures import Instances
 
-    device = device or _DEVICE
     if isinstance(x, dict):
         return {k: to_device(v, device) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -202,13 +198,13 @@ def to_device(x, device=None):
     return x
 
 
-def amp_dtype(device=None):
+def amp_dtype(device):
     """The step trainers' AMP dtype on this device (``Precision.auto``: one rule for both)."""
     return Precision.auto(device_type(device)).dtype
 
 
-def autocast(enabled=True, device=None):
-    """The step trainers' autocast on the benchmark's device (a no-op when disabled)."""
+def autocast(enabled, device):
+    """The step trainers' autocast on ``device`` (a no-op when disabled)."""
     if not enabled:
         return contextlib.nullcontext()
     return Precision.auto(device_type(device)).autocast()
@@ -221,7 +217,7 @@ def precisions(args):
     return [bool(getattr(args, "amp", False))]
 
 
-def precision_name(amp, device=None):
+def precision_name(amp, device):
     return f"AMP {str(amp_dtype(device)).replace('torch.', '')}" if amp else "fp32"
 
 
@@ -235,7 +231,7 @@ def grad_checkpointing_opts(enabled):
     return ["MODEL.BRAIXDET.GRAD_CHECKPOINTING", "True"] if enabled else []
 
 
-def amp_status(requested, dtype_seen, device=None):
+def amp_status(requested, dtype_seen):
     """One line: did the requested AMP reach the model (dtype of a conv output in the step)?"""
     seen = str(dtype_seen).replace("torch.", "") if dtype_seen is not None else "?"
     if not requested:
@@ -261,21 +257,21 @@ def autocast_seen(module, fn):
     return seen[0] if seen else None
 
 
-def reset_peak_memory(device=None):
+def reset_peak_memory(device):
     if is_cuda(device):
         sync(device)
-        torch.cuda.reset_peak_memory_stats(torch.device(device or _DEVICE))
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
 
 
-def peak_memory_gib(device=None):
+def peak_memory_gib(device):
     """CUDA: max_memory_allocated since the last reset, in GiB; CPU: None (see process_rss)."""
     if is_cuda(device):
         sync(device)
-        return torch.cuda.max_memory_allocated(torch.device(device or _DEVICE)) / 2**30
+        return torch.cuda.max_memory_allocated(torch.device(device)) / 2**30
     return None
 
 
-def measure_peak(fn, device=None):
+def measure_peak(fn, device):
     """Peak device memory (GiB) of one call of ``fn``; None on CPU."""
     if not is_cuda(device):
         return None
@@ -295,7 +291,7 @@ def gib(x):
     return "n/a" if x is None else f"{x:.2f}"
 
 
-def memory_note(device=None):
+def memory_note(device):
     if is_cuda(device):
         return ("peak memory: `torch.cuda.max_memory_allocated` over one untimed call after "
                 "`reset_peak_memory_stats`, GiB")
@@ -303,15 +299,14 @@ def memory_note(device=None):
             f"{process_peak_rss_gib():.2f} GiB")
 
 
-def device_line(device=None):
-    dev = device or _DEVICE
-    if is_cuda(dev):
-        d = torch.device(dev)
+def device_line(device):
+    if is_cuda(device):
+        d = torch.device(device)
         name = torch.cuda.get_device_name(d)
         total = torch.cuda.get_device_properties(d).total_memory / 2**30
-        return (f"device {dev} ({name}, {total:.0f} GiB; CUDA {torch.version.cuda}; AMP dtype "
-                f"{str(amp_dtype(dev)).replace('torch.', '')})")
-    return f"device {dev} (AMP dtype bfloat16)"
+        return (f"device {device} ({name}, {total:.0f} GiB; CUDA {torch.version.cuda}; AMP "
+                f"dtype {str(amp_dtype(device)).replace('torch.', '')})")
+    return f"device {device} (AMP dtype bfloat16)"
 
 
 def size_opts(size):
@@ -368,19 +363,19 @@ class CyclingLoader:
         return [dict(x) for x in b]
 
 
-def timeit(fn):
-    """Seconds of one call, the device synchronised before and after (``set_device``)."""
-    sync()
+def timeit(fn, device):
+    """Seconds of one call, ``device`` synchronised before and after."""
+    sync(device)
     t = time.perf_counter()
     fn()
-    sync()
+    sync(device)
     return time.perf_counter() - t
 
 
-def interleaved(fns, repeats, warmup=1):
-    """Time each callable of ``fns`` (name -> fn) ``repeats`` times, alternating the variants
-    (A B A B ...; the order is rotated each round so no variant always runs after the same
-    one) after ``warmup`` untimed rounds. Returns name -> list of seconds."""
+def interleaved(fns, repeats, warmup, device):
+    """Time each callable of ``fns`` (name -> fn) ``repeats`` times on ``device``, alternating
+    the variants (A B A B ...; the order is rotated each round so no variant always runs after
+    the same one) after ``warmup`` untimed rounds. Returns name -> list of seconds."""
     names = list(fns)
     for _ in range(warmup):
         for n in names:
@@ -389,7 +384,7 @@ def interleaved(fns, repeats, warmup=1):
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            out[n].append(timeit(fns[n]))
+            out[n].append(timeit(fns[n], device))
     return out
 
 
@@ -422,13 +417,14 @@ def md_table(header, rows):
     return "\n".join(lines)
 
 
-def emit(title, text, out=None):
-    """Print the report (title, environment line, tables) and optionally write it to ``out``."""
-    report = f"## {title}\n\n{env_line()}\n\n{text}\n"
+def emit(title, text, args):
+    """Print the report (title, environment line, tables) and optionally write it to --out.
+    ``args``: ``parse_args``'s namespace (its device, start load and out)."""
+    report = f"## {title}\n\n{env_line(args.device, args.start_load)}\n\n{text}\n"
     print(report)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-        with open(out, "w") as f:
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
             f.write(report)
     return report
 

@@ -62,16 +62,17 @@ def setup(tmp, args):
         opts += C.size_opts(args.size)
     if args.batch:
         opts += ["SOLVER.IMS_PER_BATCH", str(args.batch)]
-    opts += (C.device_opts() + C.amp_opts(args.amp)
+    opts += (C.device_opts(args.device) + C.amp_opts(args.amp)
              + C.grad_checkpointing_opts(args.grad_checkpointing))
     cfg = C.build_cfg(args.config, opts + list(args.opts), output_dir=os.path.join(tmp, "out"))
     register_and_assign_datasets(cfg)
     return cfg, t_gen
 
 
-def cold_warm(cfg, repeats):
+def cold_warm(cfg, repeats, device):
     """Per-image cache miss vs hit over every train image (full + weak), then warm mapper calls
-    on the training dicts. Leaves the cache warm."""
+    on the training dicts (``device`` synchronised around each, as every timing). Leaves the
+    cache warm."""
     from braixdet.data.build import get_dicts
     from braixdet.data.mapper import MultiViewDatasetMapper
 
@@ -82,13 +83,14 @@ def cold_warm(cfg, repeats):
     for d in dicts:
         files[d["file_name"]] = d.get("laterality")
         files.setdefault(d.get("aux_file_name") or d["file_name"], d.get("laterality"))
-    cold = [C.timeit(lambda f=f, lat=lat: mapper.cache.get(f, lat)) for f, lat in files.items()]
+    cold = [C.timeit(lambda f=f, lat=lat: mapper.cache.get(f, lat), device)
+            for f, lat in files.items()]
     warm = []
     for _ in range(repeats):
-        warm += [C.timeit(lambda f=f, lat=lat: mapper.cache.get(f, lat))
+        warm += [C.timeit(lambda f=f, lat=lat: mapper.cache.get(f, lat), device)
                  for f, lat in files.items()]
     train = get_dicts(cfg.DATASETS.TRAIN)
-    mapped = [C.timeit(lambda d=d, k=k: mapper(dict(d, _draw=k)))
+    mapped = [C.timeit(lambda d=d, k=k: mapper(dict(d, _draw=k)), device)
               for k, d in enumerate(train * max(1, repeats))]
     return {"images": len(files), "dicts": len(dicts), "train": len(train), "cold": cold,
             "warm": warm, "mapper": mapped}
@@ -119,7 +121,7 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_data_") as tmp:
         cfg, t_gen = setup(tmp, args)
-        cw = cold_warm(cfg, repeats=3)
+        cw = cold_warm(cfg, 3, args.device)
 
         torch.manual_seed(0)
         model = BRAIxDetTrainer.build_model(cfg)
@@ -140,7 +142,7 @@ def main():
             def steps(v, n, record):
                 for _ in range(n):
                     v["trainer"].iter = storage.iter
-                    dt = C.timeit(v["trainer"].run_step)
+                    dt = C.timeit(v["trainer"].run_step, args.device)
                     storage.step()
                     if record:
                         v["data"].append(v["it"].times[-1])
@@ -155,7 +157,7 @@ def main():
                     steps(v, args.settle, False)
                     steps(v, max(1, args.block - args.settle), True)
             for v in variants.values():
-                v["peak"] = C.measure_peak(lambda v=v: steps(v, 1, False))
+                v["peak"] = C.measure_peak(lambda v=v: steps(v, 1, False), args.device)
             dtype = C.autocast_seen(model, lambda: steps(next(iter(variants.values())), 1, False))
         for v in variants.values():  # shut the worker processes down
             del v["trainer"], v["it"]
@@ -193,9 +195,9 @@ def main():
         "### data_time vs training iteration (MultiViewRCNN, BRAIxStepTrainer.run_step)\n\n"
         + C.md_table(["workers", "steps", "data_time ms", "iteration ms", "compute ms",
                       "peak GiB", "data / iteration", f"target < {100 * args.target:.0f}%"], rows)
-        + f"\n\n{C.memory_note()}"
+        + f"\n\n{C.memory_note(args.device)}"
     )
-    C.emit("DataLoader: data_time vs training iteration", text, args.out)
+    C.emit("DataLoader: data_time vs training iteration", text, args)
 
 
 if __name__ == "__main__":

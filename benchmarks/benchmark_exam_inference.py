@@ -47,9 +47,9 @@ PAIRS = [(0, 1), (1, 0), (2, 3), (3, 2)]  # L-CC<->L-MLO, R-CC<->R-MLO
 VIEWS = ["L-CC", "L-MLO", "R-CC", "R-MLO"]
 
 
-def build(config, size, multi_view, tmp, extra):
+def build(config, size, multi_view, tmp, extra, device):
     opts = (C.size_opts(size) + ["MODEL.BRAIXDET.MULTI_VIEW", str(bool(multi_view))]
-            + C.device_opts() + list(extra))
+            + C.device_opts(device) + list(extra))
     cfg = C.build_cfg(config, opts, output_dir=tmp)
     torch.manual_seed(0)  # same init of the shared parts in both models
     return build_model(cfg).eval(), cfg
@@ -77,10 +77,10 @@ def main():
     precs = C.precisions(args)
 
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_exam_") as tmp:
-        mv, cfg = build(args.config, size, True, tmp, args.opts)
-        sv, _ = build(args.config, size, False, tmp, args.opts)
+        mv, cfg = build(args.config, size, True, tmp, args.opts, args.device)
+        sv, _ = build(args.config, size, False, tmp, args.opts, args.device)
         g = torch.Generator().manual_seed(0)
-        images = C.to_device([torch.rand(1, *size, generator=g) for _ in VIEWS])
+        images = C.to_device([torch.rand(1, *size, generator=g) for _ in VIEWS], args.device)
         hw = [size] * 4
         mv_inputs = [{"image": images[m], "aux_image": images[a], "height": size[0],
                       "width": size[1]} for m, a in PAIRS]
@@ -96,19 +96,19 @@ def main():
 
         def under(fn, amp):
             def run():
-                with torch.no_grad(), C.autocast(amp):
+                with torch.no_grad(), C.autocast(amp, args.device):
                     return fn()
             return run
 
         fns = {(n, amp): under(f, amp) for amp in precs for n, f in base.items()}
-        times = C.interleaved(fns, args.repeats, args.warmup)
-        peaks = {k: C.measure_peak(f) for k, f in fns.items()}
+        times = C.interleaved(fns, args.repeats, args.warmup, args.device)
+        peaks = {k: C.measure_peak(f, args.device) for k, f in fns.items()}
         if args.profile:
             for name in ("single", "exam"):
                 prof = cProfile.Profile()
                 prof.enable()
                 fns[(name, precs[0])]()
-                C.sync()
+                C.sync(args.device)
                 prof.disable()
                 print(f"### cProfile: {name}")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(20)
@@ -127,7 +127,7 @@ def main():
     for (n, amp), t in times.items():
         ref = ("single", amp)
         pr = C.median(C.paired_ratios(times, (n, amp), ref))
-        rows.append([labels[n], C.precision_name(amp), C.ms(C.median(t)),
+        rows.append([labels[n], C.precision_name(amp, args.device), C.ms(C.median(t)),
                      C.ms(C.median(t) / N_IMAGES), C.ms(min(t)),
                      "{} – {}".format(*map(C.ms, C.iqr(t))), C.gib(peaks[(n, amp)]),
                      f"{pr:.2f} (medians {C.median(t) / C.median(times[ref]):.2f}, mins "
@@ -143,9 +143,9 @@ def main():
         f"{args.warmup} warm-up rounds; detections per image (exam path): {n_det}\n\n"
         + C.md_table(["variant", "precision", "median ms", "ms/image", "min ms", "IQR ms",
                       "peak GiB", "x single-view (median of paired per-round ratios)"], rows)
-        + f"\n\n{C.memory_note()}\n\n"
-        + "\n".join(f"inference_exam / single-view ({C.precision_name(a)}) = **{r:.2f}** "
-                    f"(target <= {args.target}): {C.verdict(r, args.target)}"
+        + f"\n\n{C.memory_note(args.device)}\n\n"
+        + "\n".join(f"inference_exam / single-view ({C.precision_name(a, args.device)}) = "
+                    f"**{r:.2f}** (target <= {args.target}): {C.verdict(r, args.target)}"
                     for a, r in ratios.items())
     )
     if len(precs) == 2:
@@ -155,11 +155,11 @@ def main():
             ra = C.median(C.paired_ratios(times, (n, False), (n, True)))
             side.append([short[n], C.ms(a / N_IMAGES), C.ms(b / N_IMAGES),
                          f"{ra:.2f}x", C.gib(peaks[(n, False)]), C.gib(peaks[(n, True)])])
-        text += ("\n\n### fp32 vs " + C.precision_name(True) + " (interleaved)\n\n"
+        text += ("\n\n### fp32 vs " + C.precision_name(True, args.device) + " (interleaved)\n\n"
                  + C.md_table(["variant", "fp32 ms/image", "AMP ms/image",
                                "speed-up fp32/AMP (paired)", "fp32 peak GiB", "AMP peak GiB"],
                               side))
-    C.emit("Exam inference: multi-view vs single-view", text, args.out)
+    C.emit("Exam inference: multi-view vs single-view", text, args)
 
 
 def real_files(args, size):
@@ -177,7 +177,7 @@ def real_files(args, size):
     rows = []
     with tempfile.TemporaryDirectory(prefix="braixdet_bench_real_") as tmp:
         model, cfg = build(args.config, size, True, tmp, list(args.opts) + [
-            "INPUT.BRAIXDET.CACHE_DIR", ""])
+            "INPUT.BRAIXDET.CACHE_DIR", ""], args.device)
         weights = export_model_only(model, f"{tmp}/w.pth")
         times = {w: [] for w in dict.fromkeys([0, args.workers])}
         for _ in range(args.repeats):
@@ -198,7 +198,7 @@ def real_files(args, size):
            f"{args.repeats} interleaved repeats, medians; wall time from file paths to the "
            "detections of both exams\n\n"
            + C.md_table(["DataLoader workers", "images", "s (2 exams)", "s/image",
-                         "exams/minute"], rows), args.out)
+                         "exams/minute"], rows), args)
 
 
 def base_names(times):

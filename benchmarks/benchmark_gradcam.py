@@ -29,7 +29,8 @@ from braixdet.ssl.cam_boxes import gradcam_heatmaps
 
 
 def bench(args, size, precs, tmp):
-    cfg = C.build_cfg(args.config, C.size_opts(size) + C.device_opts() + list(args.opts),
+    cfg = C.build_cfg(args.config,
+                      C.size_opts(size) + C.device_opts(args.device) + list(args.opts),
                       output_dir=tmp)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
@@ -37,20 +38,20 @@ def bench(args, size, precs, tmp):
     g = torch.Generator().manual_seed(0)
     inputs = C.to_device([{"image": torch.rand(1, h, w, generator=g),
                            "aux_image": torch.rand(1, h, w, generator=g), "label": 1}
-                          for _ in range(args.batch)])
+                          for _ in range(args.batch)], args.device)
     cam_cfg = cfg.MODEL.BRAIXDET.CAM
 
     def fwd_bwd(amp):
         def fn():
             model.zero_grad(set_to_none=True)
-            with C.autocast(amp):
+            with C.autocast(amp, args.device):
                 logits = torch.stack([o["logit"] for o in model(inputs)])
             logits.float().sum().backward()
         return fn
 
     def cam(amp):
         def fn():
-            with C.autocast(amp):
+            with C.autocast(amp, args.device):
                 gradcam_heatmaps(model, inputs, method=cam_cfg.METHOD,
                                  target_layer=cam_cfg.TARGET_LAYER)
         return fn
@@ -60,7 +61,7 @@ def bench(args, size, precs, tmp):
         try:  # gradcam_heatmaps returns numpy: a bf16 map cannot be converted
             cam(True)()
         except TypeError as e:
-            notes.append(f"GradCAM under {C.precision_name(True)} fails in "
+            notes.append(f"GradCAM under {C.precision_name(True, args.device)} fails in "
                          f"`braixdet.ssl.cam_boxes.gradcam_heatmaps` ({e}): its heatmap is "
                          "returned as numpy without a cast to float32; AMP GradCAM skipped")
     fns = {}
@@ -68,8 +69,8 @@ def bench(args, size, precs, tmp):
         fns[("fwd_bwd", amp)] = fwd_bwd(amp)
         if not (amp and notes):
             fns[("cam", amp)] = cam(amp)
-    times = C.interleaved(fns, args.repeats, args.warmup)
-    peaks = {k: C.measure_peak(f) for k, f in fns.items()}
+    times = C.interleaved(fns, args.repeats, args.warmup, args.device)
+    peaks = {k: C.measure_peak(f, args.device) for k, f in fns.items()}
     return {"size": size, "times": times, "peaks": peaks, "notes": notes, "cfg": cfg}
 
 
@@ -108,12 +109,12 @@ def main():
             if cam is None:
                 continue
             ratio = C.median(C.paired_ratios(t, ("cam", amp), ("fwd_bwd", amp)))
-            rows.append([f"{h}x{w}", args.batch, C.precision_name(amp),
+            rows.append([f"{h}x{w}", args.batch, C.precision_name(amp, args.device),
                          f"{args.batch / C.median(cam):.2f}", f"{args.batch / C.median(fb):.2f}",
                          C.ms(C.median(cam)), C.ms(C.median(fb)), C.gib(p[("cam", amp)]),
                          C.gib(p[("fwd_bwd", amp)]),
                          f"{ratio:.2f}x ({'ok' if ratio <= args.target else 'ABOVE target'})"])
-            verdicts.append(f"{h}x{w} {C.precision_name(amp)}: GradCAM / fwd+bwd = "
+            verdicts.append(f"{h}x{w} {C.precision_name(amp, args.device)}: GradCAM / fwd+bwd = "
                             f"**{ratio:.2f}** (target <= {args.target}): "
                             f"{C.verdict(ratio, args.target)}")
         if len(precs) == 2:
@@ -135,16 +136,16 @@ def main():
                       "fwd+bwd images/s", "GradCAM ms/batch", "fwd+bwd ms/batch",
                       "GradCAM peak GiB", "fwd+bwd peak GiB",
                       "GradCAM / fwd+bwd time (paired)"], rows)
-        + f"\n\n{C.memory_note()}\n\n" + "\n".join(verdicts)
+        + f"\n\n{C.memory_note(args.device)}\n\n" + "\n".join(verdicts)
     )
     if side:
-        text += ("\n\n### fp32 vs " + C.precision_name(True) + " (interleaved)\n\n"
+        text += ("\n\n### fp32 vs " + C.precision_name(True, args.device) + " (interleaved)\n\n"
                  + C.md_table(["input", "variant", "fp32 ms/batch", "AMP ms/batch",
                                "speed-up fp32/AMP (paired)", "fp32 peak GiB", "AMP peak GiB"],
                               side))
     if notes:
         text += "\n\n" + "\n".join(f"NOTE: {n}" for n in notes)
-    C.emit("GradCAM pseudo-labelling vs classifier forward+backward", text, args.out)
+    C.emit("GradCAM pseudo-labelling vs classifier forward+backward", text, args)
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ def build(cfg):
     return model, teacher, optimizer, BRAIxStepTrainer, StudentTeacherStepTrainer
 
 
-def loaders(size, batch, n_batches=3):
-    """(supervised 2B-full, SSL B-full, SSL B-weak) in-memory loaders on the device, and the
+def loaders(size, batch, device, n_batches=3):
+    """(supervised 2B-full, SSL B-full, SSL B-weak) in-memory loaders on ``device``, and the
     weak images' ids. Weak labels alternate 1/0: label 1 gets the teacher's top-1 box, label 0
     trains as background (both go through the student)."""
     sup, full, weak = [], [], []
@@ -87,7 +87,7 @@ def loaders(size, batch, n_batches=3):
         weak.append([C.fake_input(size, False, 1 - i % 2, s + 100 + i, "weak")
                      for i in range(batch)])
     weak_ids = [x["image_id"] for b in weak for x in b]
-    sup, full, weak = (C.to_device(x) for x in (sup, full, weak))
+    sup, full, weak = (C.to_device(x, device) for x in (sup, full, weak))
     return C.CyclingLoader(sup), C.CyclingLoader(full), C.CyclingLoader(weak), weak_ids
 
 
@@ -107,8 +107,8 @@ def synthetic_cam_lookup(weak_ids, size, n_boxes=3):
 
 
 @contextlib.contextmanager
-def phase_timers(teacher):
-    """Time the SSL step's parts (PROFILED + the teacher's inference), synchronising the device
+def phase_timers(teacher, device):
+    """Time the SSL step's parts (PROFILED + the teacher's inference), synchronising ``device``
     around each call; yields name -> seconds accumulated since the last ``clear()``."""
     import braixdet.engine.trainers as T
 
@@ -116,12 +116,12 @@ def phase_timers(teacher):
 
     def wrap(name, fn):
         def timed(*a, **k):
-            C.sync()
+            C.sync(device)
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                C.sync()
+                C.sync(device)
                 acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
         return timed
 
@@ -141,7 +141,8 @@ def run_precision(args, amp, tmp):
     """Build, time, measure and (optionally) profile one precision; returns its results."""
     opts = ["SSL.ENABLED", "True", "SOLVER.IMS_PER_BATCH", str(2 * args.batch),
             "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", str(args.batch)]
-    opts += C.device_opts() + C.amp_opts(amp) + C.grad_checkpointing_opts(args.grad_checkpointing)
+    opts += (C.device_opts(args.device) + C.amp_opts(amp)
+             + C.grad_checkpointing_opts(args.grad_checkpointing))
     if args.size:
         opts += C.size_opts(args.size)
     if args.cam:
@@ -149,7 +150,7 @@ def run_precision(args, amp, tmp):
     cfg = C.build_cfg(args.config, opts + list(args.opts), output_dir=tmp)
     size = tuple(cfg.INPUT.BRAIXDET.CANONICAL_SIZE)
     model, teacher, optimizer, Sup, SSL = build(cfg)
-    sup_loader, full_loader, weak_loader, weak_ids = loaders(size, args.batch)
+    sup_loader, full_loader, weak_loader, weak_ids = loaders(size, args.batch, args.device)
     cam_lookup = synthetic_cam_lookup(weak_ids, size) if args.cam else {}
     fusion_iters = 10**9 if args.cam else 0
     from braixdet.engine.trainers import Precision
@@ -169,35 +170,36 @@ def run_precision(args, amp, tmp):
             return fn
 
         res["times"] = C.interleaved({"sup": step(sup), "ssl": step(ssl)}, args.repeats,
-                                     args.warmup)
+                                     args.warmup, args.device)
         res["dtype"] = C.autocast_seen(model, step(ssl))
-        res["peak"] = {"sup": C.measure_peak(step(sup)), "ssl": C.measure_peak(step(ssl))}
+        res["peak"] = {"sup": C.measure_peak(step(sup), args.device),
+                       "ssl": C.measure_peak(step(ssl), args.device)}
         if args.profile:
             steps, phases = [], []
-            with phase_timers(teacher) as acc:
+            with phase_timers(teacher, args.device) as acc:
                 for _ in range(args.profile_steps):
                     acc.clear()
-                    steps.append(C.timeit(step(ssl)))
+                    steps.append(C.timeit(step(ssl), args.device))
                     phases.append(dict(acc))
             res["profile"] = (steps, phases)
         if args.cprofile:
             prof = cProfile.Profile()
             prof.enable()
             step(ssl)()
-            C.sync()
+            C.sync(args.device)
             prof.disable()
-            print(f"### cProfile of one SSL step ({C.precision_name(amp)})")
+            print(f"### cProfile of one SSL step ({C.precision_name(amp, args.device)})")
             pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
         res["weak_used"] = [v for v, _ in storage.history("ssl/weak_images_with_targets")
                             .values()]
     del model, teacher, optimizer, sup, ssl
     gc.collect()
-    if C.is_cuda():
+    if C.is_cuda(args.device):
         torch.cuda.empty_cache()
     return res
 
 
-def profile_table(res):
+def profile_table(res, device):
     steps, phases = res["profile"]
     names = [n for n in PHASE_LABELS if any(n in p for p in phases)]
     rows = []
@@ -214,7 +216,7 @@ def profile_table(res):
                  C.ms(C.median(cpu_side)),
                  f"**{100 * C.median([c / s for c, s in zip(cpu_side, steps)]):.1f}%**"])
     rows.append(["whole SSL step (instrumented)", C.ms(C.median(steps)), "100%"])
-    return (f"### SSL step breakdown ({C.precision_name(res['amp'])}, {len(steps)} steps, "
+    return (f"### SSL step breakdown ({C.precision_name(res['amp'], device)}, {len(steps)} steps, "
             "device synchronised before and after each part)\n\n"
             + C.md_table(["part", "median ms", "share of the step (median)"], rows))
 
@@ -247,7 +249,7 @@ def main():
     cfg, size = results[0]["cfg"], results[0]["size"]
     rows, sections, ratios = [], [], {}
     for res in results:
-        times, peak, name = res["times"], res["peak"], C.precision_name(res["amp"])
+        times, peak, name = res["times"], res["peak"], C.precision_name(res["amp"], args.device)
         t_sup, t_ssl = C.median(times["sup"]), C.median(times["ssl"])
         ratio = ratios[res["amp"]] = C.median(C.paired_ratios(times, "ssl", "sup"))
 
@@ -262,11 +264,11 @@ def main():
                         f"{ratio:.2f} (medians {t_ssl / t_sup:.2f}, mins "
                         f"{min(times['ssl']) / min(times['sup']):.2f})", peak["ssl"]))
         if "profile" in res:
-            sections.append(profile_table(res))
+            sections.append(profile_table(res, args.device))
 
     used = [u for res in results for u in res["weak_used"]]
-    amp_lines = "; ".join(f"{C.precision_name(r['amp'])}: {C.amp_status(r['amp'], r['dtype'])}"
-                          for r in results)
+    amp_lines = "; ".join(f"{C.precision_name(r['amp'], args.device)}: "
+                          f"{C.amp_status(r['amp'], r['dtype'])}" for r in results)
     text = (
         f"config `{args.config}`, canonical size {size[0]}x{size[1]}, B={args.batch}, "
         f"BN mode {cfg.SSL.BN_MODE}, GradCAM fusion {'on (synthetic boxes)' if args.cam else 'off'}"
@@ -276,9 +278,10 @@ def main():
         f"precision: {amp_lines}\n\n"
         + C.md_table(["step", "precision", "median ms", "min ms", "IQR ms", "peak GiB",
                       "ratio (median of paired per-round ratios)"], rows)
-        + f"\n\n{C.memory_note()}\n\n"
-        + "\n".join(f"SSL / supervised ({C.precision_name(a)}) = **{r:.2f}** (target <= "
-                    f"{args.target}): {C.verdict(r, args.target)}" for a, r in ratios.items())
+        + f"\n\n{C.memory_note(args.device)}\n\n"
+        + "\n".join(f"SSL / supervised ({C.precision_name(a, args.device)}) = **{r:.2f}** "
+                    f"(target <= {args.target}): {C.verdict(r, args.target)}"
+                    for a, r in ratios.items())
     )
     if len(results) == 2:
         fp, amp = results
@@ -288,12 +291,13 @@ def main():
             a, b = C.median(fp["times"][k]), C.median(amp["times"][k])
             side.append([label, C.ms(a), C.ms(b), f"{a / b:.2f}x", C.gib(fp["peak"][k]),
                          C.gib(amp["peak"][k])])
-        text += ("\n\n### fp32 vs " + C.precision_name(True) + " (run one after the other)\n\n"
+        text += ("\n\n### fp32 vs " + C.precision_name(True, args.device)
+                 + " (run one after the other)\n\n"
                  + C.md_table(["step", "fp32 median ms", "AMP median ms", "speed-up fp32/AMP",
                                "fp32 peak GiB", "AMP peak GiB"], side))
     if sections:
         text += "\n\n" + "\n\n".join(sections)
-    C.emit("SSL iteration vs supervised iteration", text, args.out)
+    C.emit("SSL iteration vs supervised iteration", text, args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def run_precision(args, amp, tmp):
     from braixdet.engine.trainers import BRAIxStepTrainer, MVCCLTrainer, Precision
 
     opts = (C.size_opts(args.size) + ["SOLVER.IMS_PER_BATCH", str(args.batch)]
-            + C.device_opts() + C.amp_opts(amp)
+            + C.device_opts(args.device) + C.amp_opts(amp)
             + C.grad_checkpointing_opts(args.grad_checkpointing) + list(args.opts))
     cfg = C.build_cfg(args.config, opts, output_dir=tmp)
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ def run_precision(args, amp, tmp):
     for b in range(3):
         batches.append([C.fake_input(args.size, False, (i + b) % 2, 1000 * b + i, "cls")
                         for i in range(args.batch)])
-    loader = C.CyclingLoader(C.to_device(batches))
+    loader = C.CyclingLoader(C.to_device(batches, args.device))
     trainer = BRAIxStepTrainer(model, loader, optimizer, seed=cfg.SEED,
                                precision=Precision.from_cfg(cfg))
     res = {"amp": amp, "cfg": cfg}
@@ -56,13 +56,14 @@ def run_precision(args, amp, tmp):
             trainer.run_step()
             storage.step()
 
-        res["times"] = C.interleaved({"step": step}, args.repeats, args.warmup)["step"]
+        res["times"] = C.interleaved({"step": step}, args.repeats, args.warmup,
+                                     args.device)["step"]
         res["dtype"] = C.autocast_seen(model, step)
-        res["peak"] = C.measure_peak(step)
+        res["peak"] = C.measure_peak(step, args.device)
     res["params"] = sum(p.numel() for p in model.parameters()) / 1e6
     del model, optimizer, trainer, loader
     gc.collect()
-    if C.is_cuda():
+    if C.is_cuda(args.device):
         torch.cuda.empty_cache()
     return res
 
@@ -87,7 +88,7 @@ def main():
     rows = []
     for r in results:
         t = r["times"]
-        rows.append([C.precision_name(r["amp"]), C.ms(C.median(t)), C.ms(min(t)),
+        rows.append([C.precision_name(r["amp"], args.device), C.ms(C.median(t)), C.ms(min(t)),
                      "{} – {}".format(*map(C.ms, C.iqr(t))),
                      C.ms(C.median(t) / args.batch), f"{args.batch / C.median(t):.2f}",
                      C.gib(r["peak"])])
@@ -102,19 +103,19 @@ def main():
         f"two-view inputs ({2 * args.batch} encoder images), grad checkpointing "
         f"{'on' if args.grad_checkpointing else 'off'}; {args.repeats} timed steps after "
         f"{args.warmup} warm-up steps\n\n"
-        "precision: " + "; ".join(f"{C.precision_name(r['amp'])}: "
+        "precision: " + "; ".join(f"{C.precision_name(r['amp'], args.device)}: "
                                   f"{C.amp_status(r['amp'], r['dtype'])}" for r in results)
         + "\n\n"
         + C.md_table(["precision", "median ms/step", "min ms", "IQR ms", "ms/input",
                       "inputs/s", "peak GiB"], rows)
-        + f"\n\n{C.memory_note()}"
+        + f"\n\n{C.memory_note(args.device)}"
     )
     if len(results) == 2:
         a, b = C.median(results[0]["times"]), C.median(results[1]["times"])
-        text += (f"\n\nfp32 / {C.precision_name(True)} step time = **{a / b:.2f}x** (run one "
-                 f"after the other); peak GiB fp32 {C.gib(results[0]['peak'])}, AMP "
+        text += (f"\n\nfp32 / {C.precision_name(True, args.device)} step time = **{a / b:.2f}x** "
+                 f"(run one after the other); peak GiB fp32 {C.gib(results[0]['peak'])}, AMP "
                  f"{C.gib(results[1]['peak'])}")
-    C.emit("Stage-1 classifier training step (BRAIxMVCCL)", text, args.out)
+    C.emit("Stage-1 classifier training step (BRAIxMVCCL)", text, args)
 
 
 if __name__ == "__main__":
