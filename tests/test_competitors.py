@@ -137,12 +137,14 @@ def test_jitter_uncertainty_selects_the_stable_boxes():
 
 
 def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
-    """End to end from the first iteration: every loss term on the pseudo-labelled images, the
-    classification one through the background-weighted loss, regression from reliable boxes."""
+    """End to end from the first iteration (the demo's burn-in off): every loss term on the
+    pseudo-labelled images, the classification one through the background-weighted loss,
+    regression from reliable boxes."""
     from braixdet.ssl import soft_teacher
 
     t = _competitor_trainer("soft_teacher", synthetic_root, tmp_path, monkeypatch, 1,
-                            ["SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3"])
+                            ["SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3",
+                             "SSL.BURN_IN_ITERS", "0"])
     calls, seen = [], []
     weighted = soft_teacher.background_weighted_cls_loss
     monkeypatch.setattr(soft_teacher, "background_weighted_cls_loss",

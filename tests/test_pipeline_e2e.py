@@ -440,7 +440,9 @@ def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsy
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     methods = ("stac", "unbiased_teacher", "soft_teacher")
-    summary = tool.main(pipeline_argv(pipeline_run["root"], out, methods))
+    # burn-in of 1 (demo: 20) so that the 3 iterations reach the pseudo-labelled steps
+    summary = tool.main([*pipeline_argv(pipeline_run["root"], out, methods),
+                         "SSL.BURN_IN_ITERS", "1"])
     text = capsys.readouterr().out
     assert "[faster_rcnn] skipped" in text and "[mvccl]" not in text
     assert set(summary["results"]) == {"STAC", "Unbiased Teacher", "Soft Teacher"}
@@ -448,6 +450,9 @@ def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsy
         assert math.isfinite(float(m.get("bbox", m)["AP20"]))
     stac = (out / "logs" / "stac.log").read_text()
     assert str(out / "faster_rcnn" / "model_export.pth") in stac
+    for m in methods:
+        logged = (out / m / "metrics.json").read_text()
+        assert '"weak_loss_cls"' in logged and '"ssl/pseudo_boxes"' in logged, m
 
 
 def _readme_commands():
