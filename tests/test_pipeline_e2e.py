@@ -401,20 +401,25 @@ def test_sigterm_stops_the_stage_and_a_rerun_resumes_to_the_same_table(pipeline_
     assert got == want
 
 
-def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, capsys):
-    """Issue 20 item 1: --protocol full (D_w empty) runs through run_pipeline.main(); BRAIxDet
-    trains as its supervised multi-view detector on every box, and the pipeline says so.
-    Stage 1 (trained on D_s ∪ D_w, the same images under both protocols) is copied."""
+def run_pipeline_main(argv):
+    """tools/run_pipeline.py's main() in this process (its output goes to capsys)."""
     import importlib.util
 
-    out = tmp_path / "full"
-    _copy_stage1(pipeline_run["out"], out, ("mvccl", "classifier_single_view"))
     spec = importlib.util.spec_from_file_location(
         "run_pipeline_tool", os.path.join(REPO, "tools", "run_pipeline.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    summary = tool.main(pipeline_argv(pipeline_run["root"], out, ("faster_rcnn", "braixdet"),
-                                      protocol="full"))
+    return tool.main(argv)
+
+
+def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, capsys):
+    """Issue 20 item 1: --protocol full (D_w empty) runs through run_pipeline.main(); BRAIxDet
+    trains as its supervised multi-view detector on every box, and the pipeline says so.
+    Stage 1 (trained on D_s ∪ D_w, the same images under both protocols) is copied."""
+    out = tmp_path / "full"
+    _copy_stage1(pipeline_run["out"], out, ("mvccl", "classifier_single_view"))
+    summary = run_pipeline_main(pipeline_argv(pipeline_run["root"], out,
+                                              ("faster_rcnn", "braixdet"), protocol="full"))
     text = capsys.readouterr().out
     assert set(summary["results"]) == {"Faster R-CNN", "BRAIxDet"}
     # the synthetic source has no weakly annotated cases: no pseudo-box, supervised training
@@ -431,18 +436,12 @@ def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsy
     """Issue 22: STAC, Unbiased Teacher and Soft Teacher as rows of run_pipeline.main(), from
     the single-view classifier; STAC labels D_w with the Faster R-CNN row's export (copied here
     with the classifier, so only the three competitors train) and reports its own student."""
-    import importlib.util
-
     out = tmp_path / "competitors"
     _copy_stage1(pipeline_run["out"], out, ("classifier_single_view", "faster_rcnn"))
-    spec = importlib.util.spec_from_file_location(
-        "run_pipeline_tool", os.path.join(REPO, "tools", "run_pipeline.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     methods = ("stac", "unbiased_teacher", "soft_teacher")
     # burn-in of 1 (demo: 20) so that the 3 iterations reach the pseudo-labelled steps
-    summary = tool.main([*pipeline_argv(pipeline_run["root"], out, methods),
-                         "SSL.BURN_IN_ITERS", "1"])
+    summary = run_pipeline_main([*pipeline_argv(pipeline_run["root"], out, methods),
+                                 "SSL.BURN_IN_ITERS", "1"])
     text = capsys.readouterr().out
     assert "[faster_rcnn] skipped" in text and "[mvccl]" not in text
     assert set(summary["results"]) == {"STAC", "Unbiased Teacher", "Soft Teacher"}
