@@ -63,10 +63,9 @@ def hits_by_size(boxes, inputs, edges, canonical_width):
     return hit, total
 
 
-def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES, aux_ids=None,
-             deltas=()):
+def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES, pairing=(), deltas=()):
     """Quality of one heatmap's boxes; with ``deltas`` also after the view-agreement filter
-    (``aux_ids``: image_id -> the other view's image_id or None): {δ: quality}."""
+    (``pairing``: the dataset dicts, whose aux_image_id pairs the views): {δ: quality}."""
     boxes, points, areas, records = {}, 0, [], {}
     for x in inputs:
         heat, _ = gradcam_heatmaps(model, [x], method, layer)
@@ -76,10 +75,11 @@ def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES, aux_ids=N
         b = cam_boxes_from_heatmap(heat[0], settings.tau, settings.min_area, settings.max_area)
         boxes[str(x["image_id"])] = b
         areas += [float((c[2] - c[0]) * (c[3] - c[1])) for c in b]
-        nipple = nipple_column(x["image"].numpy())
-        records[str(x["image_id"])] = {"boxes": b.tolist(), "scores": [1.0] * len(b),
-                                       "depths": box_depths(b, nipple).tolist(),
-                                       "profile": depth_profile(heat[0], nipple)}
+        if deltas:
+            nipple = nipple_column(x["image"].numpy())
+            records[str(x["image_id"])] = {"boxes": b.tolist(), "scores": [1.0] * len(b),
+                                           "depths": box_depths(b, nipple).tolist(),
+                                           "profile": depth_profile(heat[0], nipple)}
     # canonical-frame GT, so the quality is measured where the heatmap lives
     dicts = [{"image_id": str(x["image_id"]), "annotations": [
         {"bbox": g.tolist(), "bbox_mode": 0} for g in x["instances"].gt_boxes.tensor.numpy()]}
@@ -92,9 +92,7 @@ def evaluate(model, inputs, settings, method, layer, edges=SIZE_EDGES, aux_ids=N
 
     agreed = {}
     for delta in deltas:
-        pairs = [dict(d, aux_image_id=(aux_ids or {}).get(d["image_id"]),
-                      aux_missing=not (aux_ids or {}).get(d["image_id"])) for d in dicts]
-        kept, _ = view_agreement_filter(records, pairs, delta, settings.tau)
+        kept, _ = view_agreement_filter(records, pairing, delta, settings.tau)
         agreed[delta] = quality({k: np.asarray(v["boxes"]).reshape(-1, 4)
                                  for k, v in kept.items()})
     return (quality(boxes), points / max(1, len(inputs)),
@@ -134,8 +132,6 @@ def main(argv=None):
     for name in args.datasets:
         dicts = [d for d in DatasetCatalog.get(name) if d["label"] == 1 and d.get("annotations")]
         inputs = [x for x in map(mapper, dicts) if x is not None]
-        aux_ids = {str(d["image_id"]): None if d.get("aux_missing") else str(d["aux_image_id"])
-                   for d in dicts}
         gts = [x["instances"].gt_boxes.tensor.numpy() for x in inputs]
         gt_area = np.median([float((g[2] - g[0]) * (g[3] - g[1])) for b in gts for g in b])
         sides = np.concatenate([lesion_sides(b, settings.canonical_size[1]) for b in gts])
@@ -150,7 +146,7 @@ def main(argv=None):
         rows = 0
         for method, layer in variants:
             q, point, area, agreed = evaluate(model, inputs, settings, method, layer,
-                                              args.size_edges, aux_ids, args.view_agreement)
+                                              args.size_edges, dicts, args.view_agreement)
             lines.append(table_row(f"{method} {layer}", q, f"{point:.2f}", f"{area:.0f}"))
             lines += [table_row(f"{method} {layer}, view agreement δ={d:g}", qa)
                       for d, qa in agreed.items()]

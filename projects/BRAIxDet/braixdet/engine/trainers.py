@@ -49,7 +49,7 @@ from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
 from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
 from .checkpoint import AtomicCheckpointer, safe_torch_load
 from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
-from .schedule import has_weak_images, num_images, resolve_schedule, validation_metric
+from .schedule import has_weak_images, resolve_schedule, validation_metric
 
 logger = logging.getLogger(__name__)
 
@@ -495,7 +495,7 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
         cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON, weak_dicts,
                                     cfg.SSL.CAM_VIEW_AGREEMENT) if use_cam else {}
         fusion_iters = fusion_iters_from_cfg(
-            num_weak_images=num_images(cfg.DATASETS.TRAIN_WEAK),
+            num_weak_images=len(weak_dicts),
             weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
             epochs=cfg.SSL.CAM_FUSION_EPOCHS, override_iters=cfg.SSL.CAM_FUSION_ITERS)
         logger.info("Algorithm 2: GradCAM fusion during the first %d iterations", fusion_iters)

@@ -193,20 +193,25 @@ def boxes_to_original(boxes: np.ndarray, tfm, size: Optional[Sequence[int]] = No
 
 def nipple_column(image) -> int:
     """The canonical image's right-most breast column + 1 (outside the breast is zero)."""
-    cols = np.flatnonzero(np.asarray(image).reshape(-1, np.asarray(image).shape[-1]).any(axis=0))
-    return int(cols[-1]) + 1 if len(cols) else int(np.asarray(image).shape[-1])
+    image = np.asarray(image)
+    cols = np.flatnonzero(image.reshape(-1, image.shape[-1]).any(axis=0))
+    return int(cols[-1]) + 1 if len(cols) else int(image.shape[-1])
+
+
+def _depth(x, nipple_x: int) -> np.ndarray:
+    """Canonical column position(s) ``x`` as depth: 0 at the nipple, 1 at the chest wall."""
+    return np.clip((nipple_x - np.asarray(x, float)) / max(nipple_x, 1), 0.0, 1.0)
 
 
 def box_depths(boxes: np.ndarray, nipple_x: int) -> np.ndarray:
-    """Depth of each canonical XYXY box centre: 0 at the nipple, 1 at the chest wall."""
-    cx = (np.asarray(boxes, float).reshape(-1, 4)[:, 0::2]).mean(axis=1)
-    return np.clip((nipple_x - cx) / max(nipple_x, 1), 0.0, 1.0)
+    """Depth of each canonical XYXY box centre."""
+    return _depth(np.asarray(boxes, float).reshape(-1, 4)[:, 0::2].mean(axis=1), nipple_x)
 
 
 def depth_profile(heatmap: np.ndarray, nipple_x: int, bins=DEPTH_BINS) -> np.ndarray:
     """Per depth bin (0 = nipple ... 1 = chest wall), the heatmap's maximum over those columns."""
     col_max = np.asarray(heatmap, float).max(axis=0)[:nipple_x]
-    depth = np.clip((nipple_x - (np.arange(len(col_max)) + 0.5)) / max(nipple_x, 1), 0, 1)
+    depth = _depth(np.arange(len(col_max)) + 0.5, nipple_x)  # column centres
     profile = np.zeros(bins)
     np.maximum.at(profile, np.minimum((depth * bins).astype(int), bins - 1), col_max)
     return profile
@@ -229,7 +234,7 @@ def view_agreement_filter(images: Dict[str, dict], dicts, delta: float, tau: flo
         profile = np.asarray(other["profile"], float)
         centres = (np.arange(len(profile)) + 0.5) / len(profile)
         keep = [bool((profile[np.abs(centres - d) <= delta + 0.5 / len(profile)] > tau).any())
-                for d in rec.get("depths", [])]
+                for d in rec["depths"]]
         out[image_id] = dict(rec, boxes=[b for b, k in zip(rec["boxes"], keep) if k],
                              scores=[s for s, k in zip(rec["scores"], keep) if k],
                              depths=[d for d, k in zip(rec["depths"], keep) if k])
