@@ -146,7 +146,7 @@ def inspect_instance(data: bytes, sop_instance_uid: str) -> ReceivedInstance:
         raise Refused("bad_dimensions", f"{rows} x {cols} pixels exceeds {MAX_PIXELS}")
     decoded = rows * cols * bits // 8
     syntax = ds.file_meta.get("TransferSyntaxUID", ExplicitVRLittleEndian)
-    if syntax.is_compressed:
+    if syntax.is_compressed or syntax.is_deflated:
         if decoded > _RATIO_CHECK_BYTES and decoded > MAX_COMPRESSION_RATIO * len(data):
             raise Refused("decompression_bomb", f"{decoded} decoded bytes from {len(data)}")
     elif len(data) < decoded:
