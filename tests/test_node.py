@@ -171,6 +171,7 @@ def _uids(paths):
 def _send(port, datasets, aet="LOADTEST", contexts=((MG, ExplicitVRLittleEndian),)):
     """Statuses of C-STORE of ``datasets`` over one association of an SCU AE."""
     ae = AE(aet)
+    ae.dimse_timeout = 120  # a shared, loaded test machine can stall an fsync for long
     for cls, ts in contexts:
         ae.add_requested_context(cls, ts)
     assoc = ae.associate("127.0.0.1", port, ae_title="BRAIXDET")
