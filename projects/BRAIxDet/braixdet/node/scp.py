@@ -186,6 +186,7 @@ class _AssociationLog:
     def __init__(self, aet, address):
         self.aet, self.address, self.t0 = aet, address, time.monotonic()
         self.stored = self.duplicate = self.refused = 0
+        self.slowest = 0.0  # s, the longest C-STORE handling (header check + durable write)
         self.how = "closed"  # released | aborted | closed (connection lost)
 
 
@@ -267,8 +268,8 @@ class StoreSCP:
         if log is None:  # rejected, or never negotiated
             return
         logger.info("association from %s@%s %s after %.1f s: %d stored, %d already stored, "
-                    "%d refused", log.aet, log.address, log.how, time.monotonic() - log.t0,
-                    log.stored, log.duplicate, log.refused)
+                    "%d refused, slowest store %.2f s", log.aet, log.address, log.how,
+                    time.monotonic() - log.t0, log.stored, log.duplicate, log.refused, log.slowest)
 
     def _log_of(self, assoc):
         with self._lock:
@@ -279,7 +280,14 @@ class StoreSCP:
         return STATUS_SUCCESS
 
     def _on_store(self, event):
+        t0 = time.monotonic()
         log = self._log_of(event.assoc)
+        try:
+            return self._store(event, log)
+        finally:
+            log.slowest = max(log.slowest, time.monotonic() - t0)
+
+    def _store(self, event, log):
         try:
             free = self.spool.free_bytes() if self.min_free_bytes else None
             if free is not None and free < self.min_free_bytes:
