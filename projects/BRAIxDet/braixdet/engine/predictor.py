@@ -238,12 +238,11 @@ def _repeated_views(images):
 def _note_repeats(images, report):
     """``repeat_view`` and ``duplicate_file`` lines of one exam (``group_exams``)."""
     for (lat, view), uids in sorted(_repeated_views(images).items()):
-        first = min(uids)
-        for m in sorted((m for m in images if (m.laterality, m.view) == (lat, view)
-                         and m.sop_uid != first), key=lambda m: (m.sop_uid, m.path))[:1]:
-            report.note(BadInputError(m.path, "repeat_view", (
-                f"{lat} {view} acquired {len(uids)} times in one exam: each is predicted; the "
-                f"other view's partner is the first by SOPInstanceUID")))
+        retake = min((m for m in images if (m.laterality, m.view) == (lat, view)
+                      and m.sop_uid != min(uids)), key=lambda m: (m.sop_uid, m.path))
+        report.note(BadInputError(retake.path, "repeat_view", (
+            f"{lat} {view} acquired {len(uids)} times in one exam: each is predicted; the "
+            "other view's partner is the first by SOPInstanceUID")))
     seen = set()
     for m in sorted(images, key=lambda m: m.path):
         if m.sop_uid in seen:
@@ -256,10 +255,11 @@ def _note_repeats(images, report):
 def _note_csv_exam_splits(exams, report):
     """One ``csv_exam_split`` line per views-CSV exam that names images of several patients
     (rule 1 keeps one exam per patient)."""
-    patients = defaultdict(set)
-    for kind, *rest in exams:
-        if kind == "csv":
-            patients[rest[1]].add(rest[0])
+    patients = defaultdict(set)  # CSV exam (pseudonym) -> patients
+    for key in exams:
+        if key[0] == "csv":
+            _, patient, csv_exam = key
+            patients[csv_exam].add(patient)
     for hint, pids in patients.items():
         if len(pids) > 1:
             path = min(m.path for k, v in exams.items() if k[0] == "csv" and k[2] == hint
