@@ -189,8 +189,7 @@ def _int(ds, keyword, default=None):
 _REQUIRED_UIDS = ("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID")
 _CHECKED_VALUES = (*_REQUIRED_UIDS, "SOPClassUID", "PatientID", "PatientName",
                    "PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyDate",
-                   "StudyTime", "ReferringPhysicianName", "StudyDescription", "Laterality",
-                   "ImageLaterality")
+                   "StudyTime", "ReferringPhysicianName", "StudyDescription")
 # PS3.5 §6.2: LO, SH, PN, CS hold no control character but ESC (ISO 2022 escapes); UI none
 _CONTROL = re.compile(r"[\x00-\x1a\x1c-\x1f\x7f]")
 
