@@ -185,7 +185,7 @@ def _code(value, meaning, scheme="SCT"):
 
 
 @pytest.mark.parametrize("attrs,lat,view", [
-    ({"ImageLaterality": "R", "Laterality": "L", "ViewPosition": "CC"}, "R", "CC"),
+    ({"ImageLaterality": "R", "Laterality": "L", "ViewPosition": "CC"}, None, "CC"),  # conflict
     ({"ImageLaterality": None, "Laterality": "L", "ViewPosition": "XCCL"}, "L", "CC"),
     ({"ViewPosition": "ML"}, None, "MLO"),
     ({"ViewPosition": "LMO"}, None, "MLO"),

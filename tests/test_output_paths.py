@@ -40,7 +40,11 @@ def test_planted_symlink_in_output_is_refused(tmp_path):
 
 def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_path):
     """tools/predict.py on DICOMs whose SOPInstanceUIDs are absolute paths, '..' chains,
-    separators and very long strings: every file it writes is inside --out."""
+    separators and very long strings: every file it writes is inside --out, and each such
+    image is refused at read time (not a UID per PS3.5 §9: ``invalid_value``, one line each;
+    ``safe_output_path`` above still bounds any name)."""
+    import json
+
     from detectron2.modeling import build_model
 
     from braixdet.engine.checkpoint import export_model_only
@@ -75,8 +79,11 @@ def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_pa
     outside = [p for p in written if out not in p.parents and p != out]
     assert not outside, outside
     assert not victim.exists()
-    pngs = list(out.glob("*.png"))
-    assert len(pngs) == len(hostile)  # one overlay per image, none lost to a name clash
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["errors"]) == len(hostile) and {
+        (e["reason"], e["detail"]) for e in report["errors"]} == {
+        ("invalid_value", "SOPInstanceUID (UI) is not valid per PS3.5 §9"),
+        ("invalid_value", "SOPInstanceUID (UI) is longer than its VR allows")}
 
 
 def _tiny_predictor(tmp_path):

@@ -5,7 +5,9 @@ import json
 import os
 import shutil
 import sys
+import warnings
 
+import numpy as np
 import pydicom
 import pytest
 import torch
@@ -366,3 +368,63 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
         assert ds.PatientIdentityRemoved == "YES" and str(ds.PatientName) == ""
         assert ds.PatientID == pseudonymise(str(source.PatientID))
         assert len({f["sop_instance_uid"] for f in read_sr_findings(ds)}) == 2  # one breast
+
+
+def test_missing_or_invalid_study_uid_is_one_line_and_every_other_image_predicted(setup,
+                                                                                  tmp_path):
+    """Issue 29 items 2 and 5, through tools/predict.py --format both: one image without
+    StudyInstanceUID (before: AttributeError, exit 1, nothing predicted) and one whose UID is
+    ``1.2.abc`` (before: copied into the SR) are one report line each; the other images of the
+    two exams are predicted, both exams get an SR, and no output carries the invalid UID."""
+    inp = tmp_path / "in"
+    for exam in sorted(setup["exams"].iterdir()):
+        shutil.copytree(exam, inp / exam.name)
+    exams = sorted(p for p in inp.iterdir())
+    missing, invalid = sorted(exams[0].iterdir())[0], sorted(exams[1].iterdir())[0]
+    for path, value in ((missing, None), (invalid, "1.2.abc")):
+        ds = pydicom.dcmread(path)
+        if value is None:
+            del ds.StudyInstanceUID
+        else:
+            ds.StudyInstanceUID = value
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pydicom warns when writing the crafted UID
+            ds.save_as(path)
+    out = tmp_path / "out"
+    records = _predict_tool().main([
+        "--config-file", DEMO, "--weights", setup["weights"], "--input", str(inp), "--out",
+        str(out), "--format", "both", "--no-overlays", "--workers", "0", "--score-thresh",
+        "0.99", *TINY])  # few findings: highdicom builds ~100/s
+    rep = json.loads((out / "report.json").read_text())
+    assert sorted((e["path"], e["reason"]) for e in rep["errors"]) == sorted(
+        [(str(missing), "missing_uid"), (str(invalid), "invalid_value")])
+    want = {read_dicom_meta(f).sop_uid for e in exams for f in e.iterdir()} - {
+        pydicom.dcmread(f, stop_before_pixels=True).SOPInstanceUID for f in (missing, invalid)}
+    assert {r["sop_instance_uid"] for r in records} == want and len(want) >= 4
+    assert sorted(p.name for p in (out / "sr").iterdir()) == ["exam_0.dcm", "exam_1.dcm"]
+    for p in [*(out / "sr").iterdir(), *(out / "pr").iterdir()]:
+        assert b"1.2.abc" not in p.read_bytes()
+
+
+def test_image_whose_chest_wall_contradicts_its_laterality_tag_is_refused(setup, tmp_path):
+    """Issue 29 item 3: a left breast tagged right (its pixels mirrored, tags kept): before,
+    a warning without file name, then paired and scored as the other breast; now one
+    laterality_conflict line naming the file, its partner predicted without aux."""
+    exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
+    inp = tmp_path / "in"
+    shutil.copytree(exam, inp)
+    victim = sorted(inp.iterdir())[0]
+    ds = pydicom.dcmread(victim)
+    ds.PixelData = np.ascontiguousarray(ds.pixel_array[:, ::-1]).tobytes()
+    ds.save_as(victim)
+    report = BadInputReport("predict")
+    with ExamPredictor(setup["cfg"], setup["weights"], num_workers=0,
+                       cache_dir=str(tmp_path / "cache")) as predictor:
+        preds = [p for _, ps in predictor.predict_exams(predictor.exams([str(inp)], report),
+                                                        report) for p in ps]
+    assert [(e["path"], e["reason"]) for e in report.errors] == [
+        (str(victim), "laterality_conflict")]
+    lat = read_dicom_meta(victim).laterality
+    assert f"tags say {lat}" in report.errors[0]["detail"]
+    assert len(preds) == 3 and str(victim) not in {p.meta.path for p in preds}
+    assert [p.aux_missing for p in preds if p.meta.laterality == lat] == [True]

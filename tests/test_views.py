@@ -1,9 +1,12 @@
 """View/side resolver order, refused views, exam grouping rule and the views-CSV override."""
+import shutil
+import warnings
+
 import numpy as np
 import pytest
 from pydicom.dataset import Dataset
 
-from braixdet.data.dicom import DicomMeta, pseudonymise, write_dicom
+from braixdet.data.dicom import DicomMeta, pseudonymise, read_dicom_meta, write_dicom
 from braixdet.data.report import BadInputError, BadInputReport
 from braixdet.data.views import load_views_csv, patient_stem, resolve_view
 from braixdet.engine.predictor import group_exams, pair_exam, read_metas
@@ -43,8 +46,8 @@ def _code(value, meaning, modifiers=()):
     (dict(ViewCodeSequence=[_code("399162004", "cranio-caudal",
                                   [("399209000", "Implant Displaced")])], ImageLaterality="R"),
      "CC", "R", "ViewCodeSequence", "ImageLaterality"),
-    # ImageLaterality before Laterality
-    (dict(ViewPosition="MLO", ImageLaterality="L", Laterality="R"), "MLO", "L", "ViewPosition",
+    # ImageLaterality before Laterality (they must agree: test_coded_tags_that_disagree_...)
+    (dict(ViewPosition="MLO", ImageLaterality="L", Laterality="L"), "MLO", "L", "ViewPosition",
      "ImageLaterality"),
     # CBIS-DDSM: view in PatientOrientation, side in Laterality
     (dict(PatientOrientation="MLO", Laterality="R", PatientID="Mass-Test_P_00820_RIGHT_MLO"),
@@ -255,3 +258,143 @@ def test_malformed_view_tags_are_absent_not_fatal():
     r = resolve_view({"ViewCodeSequence": b"\x01\x02", "PatientOrientation": "CC",
                       "Laterality": "R"})
     assert (r.view, r.laterality) == ("CC", "R") and "ViewCodeSequence (malformed)" in r.tried
+
+
+# ------------------------------------------------------------------ issue 29: conflict rules
+@pytest.mark.parametrize("attrs,problem,view,lat", [
+    # ViewPosition CC, ViewCodeSequence MLO: neither wins
+    (dict(ViewPosition="CC", ViewCodeSequence=[_code("399368009", "medio-lateral oblique")],
+          ImageLaterality="L"), "view_conflict", None, "L"),
+    # ImageLaterality L, Laterality R: neither wins
+    (dict(ViewPosition="MLO", ImageLaterality="L", Laterality="R"), "laterality_conflict",
+     "MLO", None),
+])
+def test_coded_tags_that_disagree_are_refused(attrs, problem, view, lat):
+    r = resolve_view(_ds(**attrs))
+    assert (r.problem, r.view, r.laterality) == (problem, view, lat)
+    assert r.note().startswith("refused: ") and "disagree" in r.note()
+
+
+@pytest.mark.parametrize("attrs,why", [
+    # the modifier refuses even when ViewPosition names a screening view
+    (dict(ViewPosition="CC", ImageLaterality="L", ViewCodeSequence=[_code(
+        "399162004", "cranio-caudal", [("399055006", "Spot Compression")])]), "spot compression"),
+    (dict(ViewPosition="MLO", ImageLaterality="R", ViewCodeSequence=[_code(
+        "399368009", "medio-lateral oblique", [("399163009", "Magnification")])]),
+     "magnification"),
+    (dict(ViewPosition="CC", ImageLaterality="L", SeriesDescription="L CC SPOT"), "spot"),
+])
+def test_spot_and_magnification_refused_when_view_position_names_the_view(attrs, why):
+    r = resolve_view(_ds(**attrs))
+    assert r.problem == "refused_view" and r.view is None and why in r.refused
+
+
+def test_conflicting_files_are_one_report_line_each(tmp_path):
+    view = _dcm(tmp_path, "v.dcm", PatientID="SECRET-1", ViewPosition="CC", ImageLaterality="L",
+                ViewCodeSequence=[_code("399368009", "medio-lateral oblique")])
+    side = _dcm(tmp_path, "s.dcm", PatientID="SECRET-1", ViewPosition="CC", ImageLaterality="L",
+                Laterality="R")
+    report = BadInputReport("t")
+    assert group_exams(read_metas([view, side], report), report) == []
+    assert {(e["path"], e["reason"]) for e in report.errors} == {
+        (view, "view_conflict"), (side, "laterality_conflict")}
+    assert "SECRET" not in str(report.to_dict())
+
+
+def _cbis_exam(folder, patient, date="20161004", **attrs):
+    """CBIS-DDSM-like exam: 4 files, each its own StudyInstanceUID, no AccessionNumber."""
+    folder.mkdir(exist_ok=True)
+    return [_dcm(folder, f"{lat}{view}.dcm", PatientID=patient, StudyDate=date,
+                 ViewPosition=view, ImageLaterality=lat, **attrs)
+            for lat in "LR" for view in ("CC", "MLO")]
+
+
+def test_views_csv_exam_never_joins_two_patients(tmp_path):
+    """Issue 29 item 1: rows giving one exam value to two patients' images: one exam per
+    patient, one csv_exam_split line; before, one exam of 8 images mixed both."""
+    a = _cbis_exam(tmp_path / "a", "SECRET-A")
+    b = _cbis_exam(tmp_path / "b", "SECRET-B")
+    table = load_views_csv(_csv(tmp_path, "file,laterality,view,exam\n" + "".join(
+        f"{f},,,visit-1\n" for f in a + b)))
+    report = BadInputReport("t")
+    exams = group_exams(read_metas(a + b, report, overrides=table), report)
+    assert sorted(sorted(m.path for m in e.images) for e in exams) == [sorted(a), sorted(b)]
+    assert {len({m.patient_id for m in e.images}) for e in exams} == {1}
+    assert report.counts["csv_exam_split"] == 1 and report.num_bad == 0
+    assert "SECRET" not in str(report.to_dict())
+
+
+def test_same_day_prior_without_accession_is_not_merged(tmp_path):
+    """Issue 29 item 3: a second study of one patient and day, no AccessionNumber, every image
+    its own StudyInstanceUID: not merged into the current exam (each study its own exam, one
+    ambiguous_exam line) -- before, one exam of 8 paired current with prior views."""
+    current = _cbis_exam(tmp_path / "now", "P1")
+    prior = _cbis_exam(tmp_path / "prior", "P1")
+    report = BadInputReport("t")
+    exams = group_exams(read_metas(current + prior, report), report)
+    assert len(exams) == 8 and all(len(e.images) == 1 for e in exams)
+    assert report.counts["ambiguous_exam"] == 1 and report.num_bad == 0
+    assert report.errors[0]["kept"] and "studies of one patient and day" in \
+        report.errors[0]["detail"]
+
+
+def test_retake_and_exact_duplicate_keep_their_exam_with_a_line(tmp_path):
+    """Issue 29 item 3: a retake (second L CC in a study) is one repeat_view line and the MLO's
+    partner is the first CC by SOPInstanceUID; an exact copy of a file stays in its exam (before,
+    a CBIS-like exam was split in two by it) with one duplicate_file line."""
+    study = "1.2.826.0.1.3680043.8.498.1"
+    files = [_dcm(tmp_path, f"{i}.dcm", PatientID="P1", StudyInstanceUID=study,
+                  SOPInstanceUID=f"{study}.{i}", ViewPosition=v, ImageLaterality="L")
+             for i, v in ((5, "CC"), (3, "CC"), (4, "MLO"))]
+    report = BadInputReport("t")
+    exams = group_exams(read_metas(files, report), report)
+    assert len(exams) == 1 and report.counts["repeat_view"] == 1
+    line = report.errors[0]
+    assert line["path"] == files[0] and "L CC acquired 2 times" in line["detail"]
+    pairs = {p.main.path: p.aux.path for p in pair_exam(exams[0].images)}
+    assert pairs[files[2]] == files[1]  # SOPInstanceUID ...3 < ...5
+
+    cbis = _cbis_exam(tmp_path / "cbis", "P2")
+    copy = str(tmp_path / "cbis" / "zz_copy.dcm")
+    shutil.copyfile(cbis[0], copy)
+    report = BadInputReport("t")
+    exams = group_exams(read_metas(cbis + [copy], report), report)
+    assert [sorted(m.path for m in e.images) for e in exams] == [sorted(cbis + [copy])]
+    assert report.counts == {"duplicate_file": 1} and report.errors[0]["path"] == copy
+
+
+def test_views_csv_not_utf8_is_refused_naming_the_byte_offset(tmp_path):
+    """Issue 29 item 4: one Latin-1 byte: the whole CSV refused in one line with its offset
+    (before: rows lost, or 'header must be ...')."""
+    head = "file,laterality,view,exam\n" + "".join(f"f{i}.dcm,L,CC,e\n" for i in range(50))
+    p = tmp_path / "views.csv"
+    p.write_bytes(head.encode() + "caf\u00e9.dcm,L,CC,e\n".encode("latin-1"))
+    with pytest.raises(BadInputError) as ei:
+        load_views_csv(str(p), BadInputReport("t"))
+    offset = len(head.encode()) + 3
+    assert ei.value.reason == "bad_encoding" and f"offset {offset} (line 52)" in str(ei.value)
+    assert "\n" not in str(ei.value)
+    p.write_bytes(b"\xef\xbb\xbf" + "file,laterality,view,exam\nx\u00e9.dcm,L,CC,e\n".encode())
+    assert len(load_views_csv(str(p))) == 1  # UTF-8 with a BOM is read
+
+
+@pytest.mark.parametrize("attrs,reason,detail", [
+    (dict(StudyInstanceUID="1.2.abc"), "invalid_value", "StudyInstanceUID (UI) is not valid"),
+    (dict(SOPInstanceUID="1.02.3"), "invalid_value", "SOPInstanceUID (UI) is not valid"),
+    (dict(StudyInstanceUID=None), "missing_uid", "no StudyInstanceUID"),
+    (dict(PatientID="SECRET-" + "9" * 60), "invalid_value", "PatientID (LO) is longer"),
+    (dict(PatientID="SECRET/../\x00x"), "invalid_value", "PatientID (LO) holds a control"),
+    (dict(AccessionNumber="SECRET-ACC-123456"), "invalid_value", "AccessionNumber (SH) is longer"),
+    (dict(PatientName="Doe^SECRET\x07"), "invalid_value", "PatientName (PN) holds a control"),
+])
+def test_values_invalid_for_their_vr_are_refused_at_read_time(tmp_path, attrs, reason, detail):
+    """Issue 29 items 2 and 5: the predictor's reader refuses what its SR would copy wrongly,
+    one line naming the attribute and VR, never the value."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pydicom warns when writing the crafted value
+        f = _dcm(tmp_path, "x.dcm", ViewPosition="CC", ImageLaterality="L", **attrs)
+    report = BadInputReport("t")
+    assert read_metas([f], report) == []
+    assert report.errors == [{"path": f, "reason": reason, "detail": report.errors[0]["detail"]}]
+    assert detail in report.errors[0]["detail"] and "SECRET" not in str(report.to_dict())
+    assert read_dicom_meta(f).view == "CC"  # the training loaders' reader does not refuse it

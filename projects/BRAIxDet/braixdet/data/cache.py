@@ -126,7 +126,8 @@ class CanonicalCache:
             if hit is not None:
                 return hit
         img, meta = read_dicom_image(file_name, allow_for_processing=self.allow_for_processing)
-        canonical, tfm, info = canonicalize(img, laterality or meta.laterality, self.params)
+        canonical, tfm, info = canonicalize(img, laterality or meta.laterality, self.params,
+                                         name=str(file_name))
         q = np.round(canonical * _SCALE).astype(np.uint16)
         record = {"source": source or self.source_of(file_name, laterality),
                   "transform": transform_to_dict(tfm), "info": info,

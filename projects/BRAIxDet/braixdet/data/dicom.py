@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 import pydicom
+import pydicom.config
 from pydicom.encaps import generate_fragments, parse_basic_offsets
 from pydicom.errors import InvalidDicomError
 from pydicom.pixels import apply_modality_lut, apply_voi_lut, get_decoder, pixel_array
@@ -33,6 +34,7 @@ from pydicom.uid import (
     JPEGTransferSyntaxes,
     RLELossless,
 )
+from pydicom.valuerep import validate_value
 
 from .report import BadInputError
 from .views import patient_stem, resolve_view
@@ -182,7 +184,44 @@ def _int(ds, keyword, default=None):
     return int(v)
 
 
-def _meta_from_ds(path, ds, allow_for_processing):
+# What the predictor's outputs copy from an image (SR / presentation-state patient, study and
+# evidence modules): the UIDs must be present (Type 1) and every value valid for its VR.
+_REQUIRED_UIDS = ("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID")
+_CHECKED_VALUES = (*_REQUIRED_UIDS, "SOPClassUID", "PatientID", "PatientName",
+                   "PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyDate",
+                   "StudyTime", "ReferringPhysicianName", "StudyDescription")
+# PS3.5 §6.2: LO, SH, PN, CS hold no control character but ESC (ISO 2022 escapes); UI none
+_CONTROL = re.compile(r"[\x00-\x1a\x1c-\x1f\x7f]")
+
+
+def _check_values(path, ds):
+    """Refuse an image whose UIDs are missing or whose copied values are invalid for their VR
+    (UI per PS3.5 §9; LO/SH/PN lengths, DA/TM forms: pydicom's validators; control
+    characters), in one line naming the attribute and its VR, never its value."""
+    with pydicom.config.disable_value_validation():  # pydicom's own warnings quote values
+        for keyword in _REQUIRED_UIDS:
+            if not _str(ds, keyword):
+                _fail(path, "missing_uid", f"no {keyword} (Type 1): the image cannot be "
+                                           "referenced")
+        elems = [ds[k] for k in _CHECKED_VALUES if k in ds]
+    for elem in elems:
+        values = elem.value if isinstance(elem.value, pydicom.multival.MultiValue) else [
+            elem.value]
+        for v in values:
+            text = "" if v is None else str(v)
+            try:
+                validate_value(elem.VR, text, pydicom.config.RAISE)
+                ok = not (elem.VR in ("LO", "SH", "PN", "CS", "UI") and _CONTROL.search(text))
+                why = "holds a control character"
+            except ValueError as e:
+                ok, why = False, ("is longer than its VR allows" if "length" in str(e) else
+                                  "is not valid per PS3.5 §9" if elem.VR == "UI" else
+                                  "is not valid for its VR")
+            if not ok:
+                _fail(path, "invalid_value", f"{elem.keyword} ({elem.VR}) {why}")
+
+
+def _meta_from_ds(path, ds, allow_for_processing, check_values=False):
     modality = _str(ds, "Modality").upper()
     if modality and modality not in ALLOWED_MODALITIES:
         _fail(path, "wrong_modality", f"Modality {modality[:16]!r} not in {ALLOWED_MODALITIES}")
@@ -192,9 +231,10 @@ def _meta_from_ds(path, ds, allow_for_processing):
     rows, cols = _int(ds, "Rows", 0), _int(ds, "Columns", 0)
     if not (0 < rows <= MAX_SIDE and 0 < cols <= MAX_SIDE) or rows * cols > MAX_PIXELS:
         _fail(path, "bad_dimensions", f"Rows x Columns = {rows} x {cols}")
+    if check_values:
+        _check_values(path, ds)
     res = _view_from_ds(ds)
-    problem = ("refused_view" if res.refused else
-               "unknown_view" if res.view is None or res.laterality is None else "")
+    problem = res.problem
     raw_pid = patient_stem(_str(ds, "PatientID"))
     tsyntax = ds.file_meta.get("TransferSyntaxUID", "") if hasattr(ds, "file_meta") else ""
     return DicomMeta(
@@ -217,13 +257,15 @@ def _meta_from_ds(path, ds, allow_for_processing):
     )
 
 
-def read_dicom_meta(path, allow_for_processing=False) -> DicomMeta:
-    """Header-only read (no pixel data). Raises ``BadInputError`` on any problem."""
+def read_dicom_meta(path, allow_for_processing=False, check_values=False) -> DicomMeta:
+    """Header-only read (no pixel data). Raises ``BadInputError`` on any problem.
+    ``check_values``: also refuse missing UIDs and values invalid for their VR in what the
+    predictor's DICOM outputs copy (``_check_values``; the predictor's reader sets it)."""
     path = os.fspath(path)
     ds = None
     try:
         ds, _ = _dcmread(path, stop_before_pixels=True)
-        return _meta_from_ds(path, ds, allow_for_processing)
+        return _meta_from_ds(path, ds, allow_for_processing, check_values)
     except BadInputError as e:
         raise _scrubbed(e, ds) from None
     except Exception as e:  # noqa: BLE001 - malformed headers surface in many ways

@@ -163,7 +163,7 @@ def _chest_wall_side(mask_crop):
     return ("left" if left >= right else "right"), ratio
 
 
-def canonicalize(img, laterality: Optional[str], params: PreprocessParams):
+def canonicalize(img, laterality: Optional[str], params: PreprocessParams, name: str = ""):
     """Map a [0, 1] float HxW mammogram to the canonical frame.
 
     Returns (canonical float32 (H, W) in [0, 1], TransformList original->canonical, info).
@@ -194,8 +194,9 @@ def canonicalize(img, laterality: Optional[str], params: PreprocessParams):
         source = "image"
     disagree = expected is not None and source == "image" and side != expected
     if disagree:
-        logger.warning("laterality %s says chest wall %s, image says %s (mass ratio %.2f): "
-                       "using the image", lat, expected, side, ratio)
+        logger.warning("%slaterality %s says chest wall %s, image says %s (mass ratio %.2f): "
+                       "using the image", f"{name}: " if name else "", lat, expected, side,
+                       ratio)
     flip = side == "right"
 
     # Pad to the canonical aspect away from the chest wall (right after the flip) / bottom.

@@ -39,6 +39,16 @@ class BadInputReport:
             self.counts[err.reason] += 1
         logger.warning("bad input skipped: %s", err)
 
+    def note(self, err: BadInputError):
+        """Record an input that a stated rule decided and KEPT (a repeat view, a duplicate file,
+        an exam split, ...): one line like a bad input, marked ``"kept": true``; never raised,
+        since the input is still used."""
+        with self._lock:
+            self.errors.append({"path": err.path, "reason": err.reason, "detail": err.detail,
+                                "kept": True})
+            self.counts[err.reason] += 1
+        logger.warning("input kept by rule: %s", err)
+
     def count(self, event, n=1):
         """Count a non-error event (e.g. ``aux_missing``, ``laterality_disagreement``)."""
         with self._lock:
@@ -46,7 +56,8 @@ class BadInputReport:
 
     @property
     def num_bad(self):
-        return len(self.errors)
+        """Inputs skipped (``note`` lines are kept inputs, not counted here)."""
+        return sum(1 for e in self.errors if not e.get("kept"))
 
     def summary(self):
         parts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"

@@ -18,8 +18,12 @@ CC-like views (CC, XCCL, XCCM) are CC; lateral views (MLO, ML, LM, LMO) pair lik
 (our choice). Views that are no screening CC/MLO are *refused* with the reason, not guessed:
 spot compression and magnification (other scale and field of view than the partner view),
 rolled/tangential/cleavage/axillary-tail views (part of the breast), FB/SIO/ISO and specimens.
+The coded tags must agree (ViewPosition with ViewCodeSequence, ImageLaterality with
+Laterality): when they do not, the image is refused (``resolve_view``).
 """
+import codecs
 import csv
+import io
 import os
 import re
 
@@ -89,20 +93,34 @@ def patient_stem(raw_patient_id):
 
 class ViewResolution:
     """Result of ``resolve_view``: ``view``/``laterality`` ('CC'/'MLO', 'L'/'R' or None),
-    ``refused`` (why the view is no screening CC/MLO, or ""), and ``tried``: the tags looked at,
-    each with what was found there, WITHOUT tag values (they may hold identifiers)."""
+    ``refused`` (why the view is no screening CC/MLO, or ""), ``conflict`` (two coded tags
+    that disagree, or ""), and ``tried``: the tags looked at, each with what was found there,
+    WITHOUT tag values (they may hold identifiers)."""
 
-    __slots__ = ("view", "laterality", "refused", "view_source", "laterality_source", "tried")
+    __slots__ = ("view", "laterality", "refused", "conflict", "conflict_kind", "view_source",
+                 "laterality_source", "tried")
 
     def __init__(self):
         self.view = self.laterality = None
-        self.refused = self.view_source = self.laterality_source = ""
+        self.refused = self.conflict = self.conflict_kind = ""
+        self.view_source = self.laterality_source = ""
         self.tried = []
+
+    @property
+    def problem(self):
+        """The report reason of an image without a usable view and side, or ""."""
+        if self.refused:
+            return "refused_view"
+        if self.conflict:
+            return self.conflict_kind
+        return "unknown_view" if self.view is None or self.laterality is None else ""
 
     def note(self):
         """One line for the bad-input report of an image without a usable view/laterality."""
         if self.refused:
             return f"refused: {self.refused}"
+        if self.conflict:
+            return f"refused: {self.conflict} (tags that disagree are not guessed)"
         missing = [w for w, v in (("view", self.view), ("laterality", self.laterality)) if not v]
         return f"no {' and '.join(missing)}; tried " + ", ".join(self.tried)
 
@@ -182,11 +200,19 @@ def _from_words(text, keyword):
 
 def resolve_view(ds):
     """View and laterality of one DICOM dataset (anything with ``.get(keyword)``), in the
-    documented order; see the module doc."""
+    documented order; see the module doc. Conflict rules (docs/DESIGN.md §7a):
+
+    * ViewPosition and ViewCodeSequence naming different views (CC vs MLO): ``view_conflict``;
+      ImageLaterality and Laterality naming different sides: ``laterality_conflict``; the
+      image is refused (no view / side), not decided by the order;
+    * a refusing ViewModifierCodeSequence (spot compression, magnification, ...) or a refusing
+      word in SeriesDescription / ProtocolName refuses the image whatever else names its view
+      (a spot view whose ViewPosition says CC is still a spot view).
+    """
     r = ViewResolution()
 
     def view_found(view, source):
-        if r.view is None and not r.refused and view:
+        if r.view is None and view:
             r.view, r.view_source = view, source
 
     def lat_found(lat, source):
@@ -194,36 +220,43 @@ def resolve_view(ds):
             r.laterality, r.laterality_source = lat, source
 
     pos = _text(ds, "ViewPosition").upper()
+    pos_view = _VIEWS.get(pos)
     if pos in _REFUSED_VIEWS:
         r.refused = f"ViewPosition {_REFUSED_VIEWS[pos]}"
-    view_found(_VIEWS.get(pos), "ViewPosition")
-    r.tried.append("ViewPosition (" + ("absent" if not pos else "found" if r.view or r.refused
+    r.tried.append("ViewPosition (" + ("absent" if not pos else "found" if pos_view or r.refused
                                         else "no CC/MLO name") + ")")
-    if r.view is None and not r.refused:
-        view, refused, found = _from_code_sequence(ds)
-        r.refused = refused
-        view_found(view, "ViewCodeSequence")
-        r.tried.append(f"ViewCodeSequence ({found})")
+    code_view, refused, found = _from_code_sequence(ds)  # read always: its modifiers refuse
+    r.refused = r.refused or refused
+    r.tried.append(f"ViewCodeSequence ({found})")
+    if pos_view and code_view and pos_view != code_view:
+        r.conflict, r.conflict_kind = (f"ViewPosition names {pos_view}, ViewCodeSequence "
+                                       f"{code_view}"), "view_conflict"
+    view_found(pos_view, "ViewPosition")
+    view_found(code_view, "ViewCodeSequence")
+    sides = {}
     for keyword in ("ImageLaterality", "Laterality"):
         text = _text(ds, keyword).upper()
-        lat_found(text if text in ("L", "R") else None, keyword)
+        if text in ("L", "R"):
+            sides[keyword] = text
+        lat_found(sides.get(keyword), keyword)
         r.tried.append(f"{keyword} (" + ("absent" if not text else "found"
-                                         if r.laterality_source == keyword else "no L/R") + ")")
-    if r.view is None and not r.refused:
+                                         if keyword in sides else "no L/R") + ")")
+    if len(set(sides.values())) > 1 and not r.conflict:
+        r.conflict, r.conflict_kind = (f"ImageLaterality names {sides['ImageLaterality']}, "
+                                       f"Laterality {sides['Laterality']}"), "laterality_conflict"
+    if r.view is None:
         orient = _text(ds, "PatientOrientation").upper()
         view_found(_VIEWS.get(orient), "PatientOrientation")
         r.tried.append("PatientOrientation (" + ("absent" if not orient else "found"
                                                  if r.view else "no view name") + ")")
     for keyword in ("SeriesDescription", "ProtocolName"):
         text = _text(ds, keyword)
-        if r.view is not None and r.laterality is not None or r.refused:
-            break
-        view, lat, refused = _from_words(text, keyword)
-        if r.view is None and refused:
-            r.refused = refused
-        view_found(view, keyword)
-        lat_found(lat, keyword)
-        r.tried.append(f"{keyword} ({'absent' if not text else 'read'})")
+        view, lat, refused = _from_words(text, keyword)  # read always: refusing words count
+        r.refused = r.refused or refused
+        if r.view is None or r.laterality is None:
+            view_found(view, keyword)
+            lat_found(lat, keyword)
+            r.tried.append(f"{keyword} ({'absent' if not text else 'read'})")
     if (r.view is None or r.laterality is None) and not r.refused:
         m = CBIS_PATIENT_ID.match(_text(ds, "PatientID"))
         if m:
@@ -231,8 +264,10 @@ def resolve_view(ds):
             lat_found(_LATERALITIES[m.group(2).upper()], "PatientID")
         r.tried.append("PatientID (" + ("CBIS-DDSM naming" if m else "no CBIS-DDSM naming")
                        + ")")
-    if r.refused:
+    if r.refused or r.conflict_kind == "view_conflict":
         r.view = None
+    if r.conflict_kind == "laterality_conflict":
+        r.laterality = None
     return r
 
 
@@ -258,10 +293,32 @@ class ViewOverrides:
         return row if row is not None else self.by_name.get(os.path.basename(path))
 
 
+def _decoded_csv(csv_path):
+    """The text of a CSV file, decoded as UTF-8 (an optional BOM dropped) before any row is
+    parsed: a file that is not UTF-8 is refused in one line naming the first bad byte's offset,
+    never read in part."""
+    from .report import BadInputError
+
+    try:
+        with open(csv_path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise BadInputError(csv_path, "missing_file", e.strerror or type(e).__name__) from None
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = bom + e.start
+        line = raw.count(b"\n", 0, at) + 1
+        raise BadInputError(csv_path, "bad_encoding", f"not UTF-8: byte 0x{raw[at]:02x} at "
+                            f"offset {at} (line {line}); save the CSV as UTF-8") from None
+
+
 def load_views_csv(csv_path, report=None):
     """Read a views CSV -> ``ViewOverrides``. A bad row (unknown laterality/view, duplicate
     file, nothing to override) is one ``bad_row`` line naming the CSV and its line number: in
-    ``report`` (the row is skipped) or, without a report, raised as ``BadInputError``."""
+    ``report`` (the row is skipped) or, without a report, raised as ``BadInputError``. A file
+    that is not UTF-8 is refused whole (``bad_encoding``, with the byte offset)."""
     from .report import BadInputError  # lazy: keeps this module free of package imports
 
     def bad(line, detail):
@@ -272,49 +329,44 @@ def load_views_csv(csv_path, report=None):
 
     base = os.path.dirname(os.path.abspath(os.fspath(csv_path)))
     by_path, by_name = {}, {}
+    reader = csv.reader(io.StringIO(_decoded_csv(csv_path), newline=""))
     try:
-        f = open(csv_path, newline="", encoding="utf-8-sig")
-    except OSError as e:
-        raise BadInputError(csv_path, "missing_file", e.strerror or type(e).__name__) from None
-    with f:
-        reader = csv.reader(f)
+        header = [h.strip().lower() for h in next(reader)]
+    except (StopIteration, csv.Error):
+        header = []
+    if tuple(header) != VIEWS_CSV_COLUMNS:
+        raise BadInputError(csv_path, "bad_row",
+                            f"line 1: header must be {','.join(VIEWS_CSV_COLUMNS)}")
+    while True:
         try:
-            header = [h.strip().lower() for h in next(reader)]
-        except (StopIteration, csv.Error, UnicodeDecodeError):
-            header = []
-        if tuple(header) != VIEWS_CSV_COLUMNS:
-            raise BadInputError(csv_path, "bad_row",
-                                f"line 1: header must be {','.join(VIEWS_CSV_COLUMNS)}")
-        while True:
-            try:
-                cells = next(reader)
-            except StopIteration:
-                break
-            except (csv.Error, UnicodeDecodeError) as e:
-                bad(reader.line_num, type(e).__name__)
+            cells = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            bad(reader.line_num, type(e).__name__)
+            continue
+        line = reader.line_num
+        if not any(c.strip() for c in cells):
+            continue
+        if len(cells) != len(VIEWS_CSV_COLUMNS):
+            bad(line, f"{len(cells)} cells, expected {len(VIEWS_CSV_COLUMNS)}")
+            continue
+        file_cell, lat_cell, view_cell, exam = (c.strip() for c in cells)
+        lat, view = normalize_laterality(lat_cell), normalize_view(view_cell)
+        if not file_cell or "\0" in file_cell:
+            bad(line, "empty or invalid file cell")
+        elif lat_cell and lat is None:
+            bad(line, "laterality must be L, R, LEFT or RIGHT")
+        elif view_cell and view is None:
+            bad(line, "view must be CC, MLO or a CC/MLO variant (XCCL, XCCM, ML, LM, LMO)")
+        elif not (lat or view or exam):
+            bad(line, "nothing to override (laterality, view and exam empty)")
+        else:
+            named = os.path.basename(file_cell) == file_cell
+            key = file_cell if named else os.path.normpath(os.path.join(base, file_cell))
+            table = by_name if named else by_path
+            if key in table:
+                bad(line, "the same file listed twice")
                 continue
-            line = reader.line_num
-            if not any(c.strip() for c in cells):
-                continue
-            if len(cells) != len(VIEWS_CSV_COLUMNS):
-                bad(line, f"{len(cells)} cells, expected {len(VIEWS_CSV_COLUMNS)}")
-                continue
-            file_cell, lat_cell, view_cell, exam = (c.strip() for c in cells)
-            lat, view = normalize_laterality(lat_cell), normalize_view(view_cell)
-            if not file_cell or "\0" in file_cell:
-                bad(line, "empty or invalid file cell")
-            elif lat_cell and lat is None:
-                bad(line, "laterality must be L, R, LEFT or RIGHT")
-            elif view_cell and view is None:
-                bad(line, "view must be CC, MLO or a CC/MLO variant (XCCL, XCCM, ML, LM, LMO)")
-            elif not (lat or view or exam):
-                bad(line, "nothing to override (laterality, view and exam empty)")
-            else:
-                named = os.path.basename(file_cell) == file_cell
-                key = file_cell if named else os.path.normpath(os.path.join(base, file_cell))
-                table = by_name if named else by_path
-                if key in table:
-                    bad(line, "the same file listed twice")
-                    continue
-                table[key] = {"laterality": lat, "view": view, "exam": exam}
+            table[key] = {"laterality": lat, "view": view, "exam": exam}
     return ViewOverrides(by_path, by_name)

@@ -117,14 +117,16 @@ def find_dicoms(inputs: Iterable[str]) -> List[str]:
 
 def read_metas(files: Iterable[str], report: BadInputReport, allow_for_processing=False,
                overrides=None) -> List[DicomMeta]:
-    """Header of every readable file; each unreadable one is one line in ``report``.
+    """Header of every readable file; each unreadable one is one line in ``report``, and so is
+    an image whose UIDs are missing or whose identity / UID values are invalid for their VR
+    (``missing_uid``, ``invalid_value``: the SR and presentation states copy them).
 
     ``overrides``: a ``ViewOverrides`` (``braixdet.data.views.load_views_csv``); a file's row
     replaces what its tags say (non-empty cells only), counted ``views_csv_override``."""
     metas = []
     for f in files:
         try:
-            m = read_dicom_meta(f, allow_for_processing=allow_for_processing)
+            m = read_dicom_meta(f, allow_for_processing=allow_for_processing, check_values=True)
         except BadInputError as e:
             report.add(e)
             continue
@@ -146,7 +148,7 @@ _CSV_EXAM = "csv:"  # exam_hint prefix of an exam given by the views CSV
 def exam_key(meta: DicomMeta, uid_shared: bool) -> tuple:
     """The exam of one image (see ``group_exams``); parts are pseudonyms or UIDs."""
     if meta.exam_hint.startswith(_CSV_EXAM):
-        return ("csv", meta.exam_hint)
+        return ("csv", meta.patient_id, meta.exam_hint)
     if meta.study_uid and uid_shared:
         return ("study", meta.patient_id, meta.study_uid)
     if meta.patient_id and meta.exam_hint:
@@ -160,17 +162,28 @@ def group_exams(metas: Iterable[DicomMeta], report: BadInputReport) -> List[Exam
     """Exams of the CC/MLO images with a laterality, sorted by (StudyInstanceUID, first path).
 
     An image without a CC/MLO-like view or laterality is one report line (``unknown_view``,
-    or ``refused_view`` for spot/magnification/... views) naming the tags tried, and left out.
+    ``refused_view`` for spot/magnification/... views, ``view_conflict`` /
+    ``laterality_conflict`` for coded tags that disagree) naming the tags tried, and left out.
     The exam of an image, first rule that applies (our choice; ``patient`` is the
     pseudonymised patient stem, ``P_00173`` for CBIS-DDSM's ``Mass-Test_P_00173_LEFT_CC``):
 
-    1. the ``exam`` of its views-CSV row;
-    2. (patient, StudyInstanceUID) when another image of the same patient has that UID;
+    1. (patient, the ``exam`` of its views-CSV row): a CSV exam holding images of several
+       patients becomes one exam per patient (one ``csv_exam_split`` line);
+    2. (patient, StudyInstanceUID) when another instance (SOPInstanceUID) of the same patient
+       has that UID;
     3. (patient, AccessionNumber, else StudyDate): archives that give every image its own
-       StudyInstanceUID, as CBIS-DDSM does;
+       StudyInstanceUID, as CBIS-DDSM does. Such a group that holds one view of one breast
+       twice (two studies of one day, or a retake filed as its own study) is split back into
+       its studies (one ``ambiguous_exam`` line): images of two studies are never paired;
     4. its own StudyInstanceUID;
     5. no UID and no patient/date: an exam of its own (counted ``no_study_uid``): pairing it
        with other such images could pair two patients.
+
+    Inside an exam, a view of a breast acquired twice is one ``repeat_view`` line (both are
+    predicted; the partner is the first by SOPInstanceUID, the training rule of ``pair_exam``)
+    and a second file with the same SOPInstanceUID one ``duplicate_file`` line (predicted as its
+    own record; it stays in the exam of the first). These lines are kept inputs
+    (``BadInputReport.note``) and hold no identifier.
 
     ``Exam.key`` is a pseudonym of that rule's key (no identifier); ``Exam.study_uid`` is the
     shared StudyInstanceUID under rule 2 or 4, else "".
@@ -185,17 +198,75 @@ def group_exams(metas: Iterable[DicomMeta], report: BadInputReport) -> List[Exam
         if (lat, view) != (m.laterality, m.view):
             m = dataclasses.replace(m, laterality=lat, view=view)
         usable.append(m)
-    per_study = Counter((m.patient_id, m.study_uid) for m in usable if m.study_uid)
+    instances = defaultdict(set)  # (patient, StudyInstanceUID) -> SOPInstanceUIDs
+    for m in usable:
+        if m.study_uid:
+            instances[(m.patient_id, m.study_uid)].add(m.sop_uid)
     exams = defaultdict(list)
     for m in usable:
-        key = exam_key(m, per_study[(m.patient_id, m.study_uid)] > 1)
+        key = exam_key(m, len(instances[(m.patient_id, m.study_uid)]) > 1)
         if key[0] == "file":
             report.count("no_study_uid")
         exams[key].append(m)
+    _note_csv_exam_splits(exams, report)
+    for key in [k for k in exams if k[0] == "patient"]:
+        images = exams[key]
+        if _repeated_views(images) and len({m.study_uid for m in images}) > 1:
+            del exams[key]
+            for m in images:
+                exams[("study", m.patient_id, m.study_uid)].append(m)
+            report.note(BadInputError(
+                min(m.path for m in images), "ambiguous_exam",
+                f"{len({m.study_uid for m in images})} studies of one patient and day without a "
+                "shared StudyInstanceUID hold the same view twice: each study is its own exam"))
     out = [Exam(study_uid=key[2] if key[0] == "study" else "", images=tuple(sorted(
         v, key=lambda m: (m.laterality, m.view, m.sop_uid, m.path))),
         key=pseudonymise("exam|" + "|".join(key))) for key, v in exams.items()]
+    for exam in out:
+        _note_repeats(exam.images, report)
     return sorted(out, key=lambda e: (e.study_uid, min(m.path for m in e.images)))
+
+
+def _repeated_views(images):
+    """(laterality, view) -> its SOPInstanceUIDs, for the views held by several instances."""
+    uids = defaultdict(set)
+    for m in images:
+        uids[(m.laterality, m.view)].add(m.sop_uid)
+    return {k: v for k, v in uids.items() if len(v) > 1}
+
+
+def _note_repeats(images, report):
+    """``repeat_view`` and ``duplicate_file`` lines of one exam (``group_exams``)."""
+    for (lat, view), uids in sorted(_repeated_views(images).items()):
+        retake = min((m for m in images if (m.laterality, m.view) == (lat, view)
+                      and m.sop_uid != min(uids)), key=lambda m: (m.sop_uid, m.path))
+        report.note(BadInputError(retake.path, "repeat_view", (
+            f"{lat} {view} acquired {len(uids)} times in one exam: each is predicted; the "
+            "other view's partner is the first by SOPInstanceUID")))
+    seen = set()
+    for m in sorted(images, key=lambda m: m.path):
+        if m.sop_uid in seen:
+            report.note(BadInputError(m.path, "duplicate_file", (
+                "same SOPInstanceUID as another input file: predicted as its own record in "
+                "the same exam")))
+        seen.add(m.sop_uid)
+
+
+def _note_csv_exam_splits(exams, report):
+    """One ``csv_exam_split`` line per views-CSV exam that names images of several patients
+    (rule 1 keeps one exam per patient)."""
+    patients = defaultdict(set)  # CSV exam (pseudonym) -> patients
+    for key in exams:
+        if key[0] == "csv":
+            _, patient, csv_exam = key
+            patients[csv_exam].add(patient)
+    for hint, pids in patients.items():
+        if len(pids) > 1:
+            path = min(m.path for k, v in exams.items() if k[0] == "csv" and k[2] == hint
+                       for m in v)
+            report.note(BadInputError(path, "csv_exam_split", (
+                f"the views CSV gives one exam to images of {len(pids)} patients: one exam "
+                "per patient")))
 
 
 def pair_exam(images: Sequence[DicomMeta], report: Optional[BadInputReport] = None
@@ -268,9 +339,15 @@ class _Loader:
 
     def __call__(self, meta: DicomMeta):
         try:
-            img, tfm = self.cache.get(meta.path, meta.laterality)
+            img, tfm, info = self.cache.get_with_info(meta.path, meta.laterality)
         except ValueError as e:  # e.g. an empty image; the mapper skips these too
             raise BadInputError(meta.path, "unsupported", str(e).replace("\n", " ")) from None
+        if info.get("laterality_disagreement"):
+            # the tags name one breast, the image's chest wall the other: its findings would be
+            # scored (and filed) under a breast we cannot trust, so it is refused
+            raise BadInputError(meta.path, "laterality_conflict", (
+                f"the tags say {meta.laterality}, the chest wall is on the image's "
+                f"{info.get('chest_wall_side')} (mass ratio {info.get('mass_ratio', 0):.2f})"))
         return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)[None]), tfm
 
 
