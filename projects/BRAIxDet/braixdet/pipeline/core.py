@@ -1,6 +1,7 @@
 """The two-stage BRAIxDet pipeline on one dataset and seed, each stage skipped when done.
 
-Stages (each also runnable alone with tools/train_net.py / tools/gradcam_pseudo_labels.py):
+Stages (each a package entry point run as a child process, ``python -m
+braixdet.pipeline.train_net`` / ``gradcam_pseudo_labels``; tools/ has the same two as scripts):
   mvccl                   BRAIxMVCCL classifier pre-training (D_s ∪ D_w, labels only)
   classifier_single_view  single-view EfficientNet classifier, same data (baseline init)
   gradcam                 Algorithm 1 pseudo-boxes of the weak cancers (+ their hit rate)
@@ -17,6 +18,7 @@ import resource
 import sys
 import time
 
+from ..model_zoo import resolve_config_root
 from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
 from .results import (
     format_classifiers,
@@ -25,11 +27,6 @@ from .results import (
     read_metrics,
 )
 from .stages import done_marker, is_done, mark_done, read_json, run_stage
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))))
-TOOLS = os.path.join(REPO, "tools")
-DEFAULT_CONFIGS = os.path.join(REPO, "configs")
 
 
 def add_pipeline_arguments(ap, root_required=True):
@@ -43,8 +40,9 @@ def add_pipeline_arguments(ap, root_required=True):
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="output/pipeline")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help="config root: configs (paper sizes) or configs/demo")
+    ap.add_argument("--configs", default="",
+                    help="config root: a folder (configs, configs/demo) or a packaged one "
+                         "(default: the paper's; 'demo': the demo's), braixdet/model_zoo.py")
     ap.add_argument("--methods", nargs="+", default=["braixdet"],
                     choices=[CAM_ONLY, *METHODS], help="rows to produce (default: braixdet)")
     ap.add_argument("--num-gpus", type=int, default=1)
@@ -69,6 +67,7 @@ class Pipeline:
         self.args = args
         self.out = os.path.abspath(args.out)
         self.python = sys.executable
+        self.configs = resolve_config_root(args.configs)
         # always "p/q": the config reads a bare "1" (--ratio 1, 1.0) as an int and refuses it
         ratio = parse_ratio(args.ratio)
         self.common = [
@@ -88,13 +87,12 @@ class Pipeline:
         return os.path.join(self.out, stage)
 
     def config(self, rel):
-        return os.path.join(self.args.configs, rel)
+        return os.path.join(self.configs, rel)
 
     def run(self, name, cmd):
         """Run one stage (stages.run_stage); its full output goes to <out>/logs/<name>.log."""
         t0, cpu0 = time.time(), _children_cpu_seconds()
-        run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"),
-                  cwd=REPO)
+        run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"))
         self.timings[name] = round(time.time() - t0, 1)
         # CPU time of the stage's processes: unlike wall time, not inflated by other jobs
         self.cpu_timings[name] = round(_children_cpu_seconds() - cpu0, 1)
@@ -104,7 +102,9 @@ class Pipeline:
         return {"seconds": self.timings.get(name), "cpu_seconds": self.cpu_timings.get(name)}
 
     def tool(self, name):
-        return [self.python, os.path.join(TOOLS, name)]
+        """The command of a stage entry point (a module of this package, not a script path:
+        an installed package runs it from any directory)."""
+        return [self.python, "-m", f"braixdet.pipeline.{name}"]
 
     def launch_args(self):
         a = self.args
@@ -153,7 +153,7 @@ class Pipeline:
         out = self.dir(name)
         if not self.skipped(name, out):
             # --resume: a re-run after a crash or a stop continues from <out>/last_checkpoint
-            self.run(name, [*self.tool("train_net.py"), "--config-file", config, "--resume",
+            self.run(name, [*self.tool("train_net"), "--config-file", config, "--resume",
                             *self.launch_args(), *self.common, "OUTPUT_DIR", out, *opts])
             mark_done(out, stage=name, config=config, **self.timed(name))
         return out
@@ -171,7 +171,7 @@ class Pipeline:
         out = os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
         folder = self.dir("gradcam")
         if not self.skipped("gradcam", folder):
-            self.run("gradcam", [*self.tool("gradcam_pseudo_labels.py"),
+            self.run("gradcam", [*self.tool("gradcam_pseudo_labels"),
                                  "--config-file", self.config(STAGE1["mvccl"]), "--weights",
                                  mvccl_weights, "--out", out, *self.common, "OUTPUT_DIR",
                                  self.dir("mvccl"), *self.args.stage1_opts])
@@ -194,7 +194,7 @@ class Pipeline:
             out = self.dir(name)
             if not self.skipped(name, out):
                 self.run(name, [
-                    *self.tool("gradcam_pseudo_labels.py"),
+                    *self.tool("gradcam_pseudo_labels"),
                     "--config-file", self.config(STAGE1["mvccl"]), "--weights", mvccl_weights,
                     "--evaluate", self.test_name(), "--eval-out", out, *self.common,
                     "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts,
