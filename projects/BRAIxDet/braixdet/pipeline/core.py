@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 from ..model_zoo import resolve_config_root
 from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
@@ -26,7 +27,7 @@ from .results import (
     read_cam_quality,
     read_metrics,
 )
-from .stages import done_marker, is_done, mark_done, read_json, run_stage
+from .stages import StageFailed, done_marker, is_done, mark_done, read_json, run_stage
 
 
 def add_pipeline_arguments(ap, root_required=True):
@@ -60,8 +61,34 @@ def _children_cpu_seconds():
     return ru.ru_utime + ru.ru_stime
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one seed's pipeline runs, in order: the cluster launcher makes one job of each."""
+    stage1: tuple  # STAGE1 names the rows start from
+    gradcam: bool  # Algorithm 1 pseudo-boxes (a row reads SSL.CAM_JSON)
+    cam_only: bool  # the CAM-only rows
+    detectors: tuple  # METHODS keys, dependencies (teacher_from) first
+    no_weak: bool  # the full protocol on a source without weak cases (SSL rows supervised)
+
+    def jobs(self):
+        return [*self.stage1, *(["gradcam"] if self.gradcam else []),
+                *(["cam_only"] if self.cam_only else []), *self.detectors]
+
+    def after(self, job):
+        """The jobs ``job`` starts from (their outputs are its inputs)."""
+        if job in STAGE1:
+            return ()
+        if job in ("gradcam", CAM_ONLY):
+            return ("mvccl",)
+        m = METHODS[job]
+        return (m.init, *(["gradcam"] if m.cam and self.gradcam else []),
+                *([m.teacher_from] if m.teacher_from else []))
+
+
 class Pipeline:
-    def __init__(self, args):
+    def __init__(self, args, job=None):
+        """``job``: run that job of ``plan().jobs()`` only (a cluster job): a stage of
+        another job that is not done is an error, not trained here. "summary": run nothing."""
         from ..data.protocols import parse_ratio
 
         self.args = args
@@ -81,7 +108,8 @@ class Pipeline:
         self.timings, self.cpu_timings = {}, {}  # stage -> seconds (wall, CPU)
         self.row_stage = {}  # table row -> the stage that trained or scored it (its run time)
         self._names = None
-        self.no_weak = False  # the full protocol on a source without weak cases (run_all)
+        self.no_weak = False  # the full protocol on a source without weak cases (plan)
+        self.job = job
 
     def dir(self, stage):
         return os.path.join(self.out, stage)
@@ -137,7 +165,12 @@ class Pipeline:
     def test_name(self):
         return self.names()["test"]
 
-    def skipped(self, name, folder):
+    def skipped(self, name, folder, job=None):
+        """Whether stage ``name`` (of job ``job``, default ``name``) is done; a cluster job
+        refuses to run another job's stage (that job failed or was cancelled)."""
+        if not is_done(folder) and self.job is not None and self.job != (job or name):
+            raise StageFailed(f"error: stage {name} of {self.out} is not done: its job failed "
+                              "or was cancelled; submit the grid again")
         if is_done(folder):
             print(f"=== [{name}] skipped: {folder} is done")
             marker = read_json(done_marker(folder))  # the run times of the run that did it
@@ -167,8 +200,12 @@ class Pipeline:
         best = os.path.join(out, EXPORT_NAME)
         return best if os.path.exists(best) else os.path.join(out, "model_final.pth")
 
+    def cam_json(self):
+        """Where the GradCAM stage writes Algorithm 1's pseudo-boxes."""
+        return os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
+
     def gradcam(self, mvccl_weights):
-        out = os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
+        out = self.cam_json()
         folder = self.dir("gradcam")
         if not self.skipped("gradcam", folder):
             self.run("gradcam", [*self.tool("gradcam_pseudo_labels"),
@@ -192,7 +229,7 @@ class Pipeline:
         for method, layer in dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]):
             name = f"cam_only_{method}_{layer}"
             out = self.dir(name)
-            if not self.skipped(name, out):
+            if not self.skipped(name, out, job=CAM_ONLY):
                 self.run(name, [
                     *self.tool("gradcam_pseudo_labels"),
                     "--config-file", self.config(STAGE1["mvccl"]), "--weights", mvccl_weights,
@@ -210,6 +247,13 @@ class Pipeline:
 
     def detector(self, key, stage1_weights, cam_json):
         """Train method ``key`` (METHODS); returns the exported model's test metrics."""
+        self.train(key, self.config(METHODS[key].config),
+                   self.detector_opts(key, stage1_weights, cam_json))
+        # the trainer leaves the exported (best-validation) model's test metrics here
+        return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
+
+    def detector_opts(self, key, stage1_weights, cam_json):
+        """The config overrides of method ``key``'s detector stage (after self.common)."""
         from ..engine.trainers import EXPORT_NAME
 
         m = METHODS[key]
@@ -220,9 +264,24 @@ class Pipeline:
             opts += [m.teacher_key, os.path.join(self.dir(m.teacher_from), EXPORT_NAME)]
         if self.no_weak:
             opts += ["SSL.ENABLED", "False", "SSL.CAM_JSON", ""]
-        self.train(key, self.config(m.config), [*opts, *self.args.det_opts])
-        # the trainer leaves the exported (best-validation) model's test metrics here
-        return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
+        return [*opts, *self.args.det_opts]
+
+    def iterations(self, job, plan):
+        """Training iterations of a stage-1 or detector job, from its config and datasets as
+        the stage will resolve them (engine/schedule.py); for the launcher's --dry-run."""
+        from ..engine.schedule import resolve_schedule
+        from ..engine.setup import build_cfg, register_and_assign_datasets
+        from ..engine.trainers import EXPORT_NAME
+
+        if job in STAGE1:
+            config, opts = self.config(STAGE1[job]), list(self.args.stage1_opts)
+        else:
+            exports = {n: os.path.join(self.dir(n), EXPORT_NAME) for n in STAGE1}
+            config = self.config(METHODS[job].config)
+            opts = self.detector_opts(job, exports, self.cam_json() if plan.gradcam else "")
+        cfg = build_cfg(config, [*self.common, "OUTPUT_DIR", self.dir(job), *opts])
+        register_and_assign_datasets(cfg)
+        return int(resolve_schedule(cfg).SOLVER.MAX_ITER)
 
     def classifier_metrics(self, name):
         """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
@@ -235,7 +294,8 @@ class Pipeline:
                 out[split] = read_json(path)["classification"]
         return out
 
-    def run_all(self):
+    def plan(self):
+        """The stages of ``--methods``; under the full protocol it loads D_w once (no_weak)."""
         a = self.args
         keys = method_order(a.methods)
         needed = {METHODS[k].init for k in keys}
@@ -249,12 +309,40 @@ class Pipeline:
             print("=== [gradcam] skipped: the full protocol's D_w holds no image here; SSL rows "
                   "train as their supervised detectors (SSL.ENABLED False)", flush=True)
             uses_cam = False
-        stage1 = {name: self.stage1(name) for name in STAGE1 if name in needed}
+        return Plan(stage1=tuple(n for n in STAGE1 if n in needed), gradcam=uses_cam,
+                    cam_only=CAM_ONLY in a.methods, detectors=tuple(keys), no_weak=self.no_weak)
+
+    def job_done(self, job):
+        """Whether every stage of ``job`` (a name of ``Plan.jobs``) is done."""
+        if job == CAM_ONLY:
+            return all(is_done(self.dir(f"cam_only_{m}_{layer}")) for m, layer in
+                       dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]))
+        return is_done(self.dir(job))
+
+    def run_job(self, job, plan):
+        """One job of ``plan`` (a cluster job): its stage, from its done dependencies."""
+        if job in STAGE1:
+            return self.stage1(job)
+        stage1 = {name: self.stage1(name) for name in plan.stage1}
+        if job == CAM_ONLY:
+            return self.cam_only(stage1["mvccl"])
+        if job == "gradcam":
+            return self.gradcam(stage1["mvccl"])
+        uses_cam = plan.gradcam and METHODS[job].cam
         cam_json = self.gradcam(stage1["mvccl"]) if uses_cam else ""
+        if METHODS[job].teacher_from:  # its export is an input: refuse to start without it
+            self.skipped(METHODS[job].teacher_from, self.dir(METHODS[job].teacher_from))
+        return self.detector(job, stage1, cam_json)
+
+    def run_all(self):
+        a = self.args
+        plan = self.plan()
+        stage1 = {name: self.stage1(name) for name in plan.stage1}
+        cam_json = self.gradcam(stage1["mvccl"]) if plan.gradcam else ""
         results = {}
-        if CAM_ONLY in a.methods:
+        if plan.cam_only:
             results.update(self.cam_only(stage1["mvccl"]))
-        for key in keys:
+        for key in plan.detectors:
             metrics = self.detector(key, stage1, cam_json)
             if key in a.methods:
                 results[METHODS[key].label] = metrics
