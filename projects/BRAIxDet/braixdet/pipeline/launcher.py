@@ -157,14 +157,28 @@ def dry_run_table(jobs, sec_per_iter):
     return "\n".join(lines)
 
 
-def _executor(args, folder):
-    extra = dict(item.split("=", 1) for item in args.slurm_param)
+def _executor(args, folder, job, after_ids=()):
+    """A submitit executor for ``job`` (one per job: no parameter leaks to the next)."""
     ex = submitit.AutoExecutor(folder=os.path.join(folder, "%j"), cluster=args.launcher,
                                slurm_max_num_timeout=args.max_requeue,
                                local_max_num_timeout=args.max_requeue)
-    ex.update_parameters(timeout_min=args.timeout_min, nodes=1, tasks_per_node=1,
-                         cpus_per_task=args.cpus_per_job, slurm_partition=args.partition or None)
-    return ex, extra
+    params = dict(name=f"braixdet-{job.key}", timeout_min=args.timeout_min, nodes=1,
+                  tasks_per_node=1, cpus_per_task=args.cpus_per_job)
+    if job.gpus:  # no GPU request at all for the summary (some Slurm refuse a count of 0)
+        params["gpus_per_node"] = job.gpus
+    if args.launcher == "slurm":
+        # a failed stage removes its dependents rather than leaving them pending for ever
+        bad = [item for item in args.slurm_param if "=" not in item]
+        if bad:
+            raise ToolError(f"error: --slurm-param {bad[0]}: expected KEY=VALUE")
+        extra = {"kill-on-invalid-dep": "yes",
+                 **dict(item.split("=", 1) for item in args.slurm_param)}
+        if after_ids:
+            extra["dependency"] = "afterok:" + ":".join(after_ids)
+        params.update(slurm_partition=args.partition or None,
+                      slurm_additional_parameters=extra)
+    ex.update_parameters(**params)
+    return ex
 
 
 def _callable(job, args, seeds, out):
@@ -183,24 +197,25 @@ def launch(args, seeds, out):
         table = dry_run_table(jobs, seconds_per_iteration(args.sec_per_iter))
         print(table)
         return {"jobs": jobs, "table": table}
-    ex, extra = _executor(args, os.path.join(out, "submitit"))
+    folder = os.path.join(out, "submitit")
     if args.launcher == "slurm":
-        return _submit_slurm(jobs, ex, extra, train_args, seeds, out)
-    return _run_local(jobs, ex, train_args, seeds, out)
+        return _submit_slurm(jobs, args, train_args, seeds, out, folder)
+    summary = _run_local(jobs, args, train_args, seeds, out, folder)
+    with open(os.path.join(out, "summary.md")) as f:  # the summary job wrote it
+        print("\n" + f.read() + f"\nwrote {out}/summary.md and summary.json; job logs in "
+              f"{folder}/")
+    return summary
 
 
-def _submit_slurm(jobs, ex, extra, args, seeds, out):
+def _submit_slurm(jobs, args, train_args, seeds, out, folder):
     ids = {}
     for j in jobs:  # job_graph lists every job after the jobs it needs
-        params = {"kill-on-invalid-dep": "yes", **extra}  # a failed stage drops its dependents
-        if j.after:
-            params["dependency"] = "afterok:" + ":".join(ids[k] for k in j.after)
-        ex.update_parameters(name=f"braixdet-{j.key}", gpus_per_node=j.gpus,
-                             slurm_additional_parameters=params)
-        ids[j.key] = ex.submit(_callable(j, args, seeds, out)).job_id
+        after = [ids[k] for k in j.after]
+        ex = _executor(args, folder, j, after)
+        ids[j.key] = ex.submit(_callable(j, train_args, seeds, out)).job_id
         print(f"submitted {j.key}: Slurm job {ids[j.key]}"
-              + (f" (after {', '.join(ids[k] for k in j.after)})" if j.after else ""), flush=True)
-    print(f"the table will be {out}/summary.md (job {ids[SUMMARY]}); logs: {out}/submitit/")
+              + (f" (after {', '.join(after)})" if after else ""), flush=True)
+    print(f"the table will be {out}/summary.md (job {ids[SUMMARY]}); logs: {folder}/")
     return ids
 
 
@@ -211,13 +226,13 @@ def _job_error_line(exc):
         f"error: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
 
 
-def _run_local(jobs, ex, args, seeds, out):
+def _run_local(jobs, args, train_args, seeds, out, folder):
     pending, running, finished, result = list(jobs), {}, set(), None
     try:
         while pending or running:
             for j in [j for j in pending if all(k in finished for k in j.after)]:
-                ex.update_parameters(name=f"braixdet-{j.key}", gpus_per_node=j.gpus)
-                running[j.key] = ex.submit(_callable(j, args, seeds, out))
+                ex = _executor(args, folder, j)
+                running[j.key] = ex.submit(_callable(j, train_args, seeds, out))
                 pending.remove(j)
                 print(f"=== [{j.key}] local job {running[j.key].job_id}", flush=True)
             for key, sj in list(running.items()):
