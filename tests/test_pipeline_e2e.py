@@ -662,3 +662,37 @@ def test_dry_run_lists_the_job_graph_and_its_gpu_hours(pipeline_run, tmp_path, c
     # 2 classifiers x 3 x 1200 s + 2 detectors x 3 x 2400 s = 6 GPU hours
     assert "6 jobs; training GPU hours: 6.0" in capsys.readouterr().out
     assert not (exp / "submitit").exists()  # nothing submitted
+
+
+def test_a_cluster_job_runs_its_stage_only_from_the_stages_it_waits_for(monkeypatch, tmp_path):
+    """Issue 32: a detector job needs only Plan.after's stages done (the seed's other
+    classifier may still be running); a job whose input stage is not done stops with one line
+    instead of training that stage itself; the summary job trains nothing."""
+    import argparse
+
+    from braixdet.pipeline.core import Pipeline, Plan
+    from braixdet.pipeline.stages import StageFailed, mark_done
+
+    args = argparse.Namespace(
+        dataset="cbis_ddsm", root=str(tmp_path), csv="", protocol="partial", ratio="1/8",
+        seed=0, out=str(tmp_path / "o"), configs="demo", methods=["faster_rcnn", "braixdet"],
+        num_gpus=1, num_machines=1, machine_rank=0, dist_url="auto", opts=[], stage1_opts=[],
+        det_opts=[])
+    plan = Plan(stage1=("mvccl", "classifier_single_view"), gradcam=True, cam_only=False,
+                detectors=("faster_rcnn", "braixdet"), no_weak=False)
+    assert plan.after("braixdet") == ("mvccl", "gradcam")
+    assert plan.after("faster_rcnn") == ("classifier_single_view",)
+    for done in ("mvccl", "gradcam"):  # classifier_single_view: still running
+        mark_done(str(tmp_path / "o" / done))
+    trained = []
+    monkeypatch.setattr("braixdet.pipeline.core.read_metrics", lambda folder: {})
+    for job in ("braixdet", "faster_rcnn", "summary"):
+        pipe = Pipeline(args, job=job)
+        monkeypatch.setattr(pipe, "run", lambda name, cmd: trained.append(
+            (name, cmd[cmd.index("MODEL.BRAIXDET.INIT_FROM_CLASSIFIER") + 1])))
+        if job == "braixdet":
+            pipe.run_job(job, plan)
+        else:
+            with pytest.raises(StageFailed, match="stage classifier_single_view of .* not done"):
+                pipe.run_job(job, plan) if job != "summary" else pipe.run_all()
+    assert trained == [("braixdet", str(tmp_path / "o" / "mvccl" / "model_final.pth"))]

@@ -320,19 +320,19 @@ class Pipeline:
         return is_done(self.dir(job))
 
     def run_job(self, job, plan):
-        """One job of ``plan`` (a cluster job): its stage, from its done dependencies."""
+        """One job of ``plan`` (a cluster job): its stage, from the stages of Plan.after(job)
+        only (others of the seed may still be running)."""
         if job in STAGE1:
             return self.stage1(job)
-        stage1 = {name: self.stage1(name) for name in plan.stage1}
         if job == CAM_ONLY:
-            return self.cam_only(stage1["mvccl"])
+            return self.cam_only(self.stage1("mvccl"))
         if job == "gradcam":
-            return self.gradcam(stage1["mvccl"])
-        uses_cam = plan.gradcam and METHODS[job].cam
-        cam_json = self.gradcam(stage1["mvccl"]) if uses_cam else ""
-        if METHODS[job].teacher_from:  # its export is an input: refuse to start without it
-            self.skipped(METHODS[job].teacher_from, self.dir(METHODS[job].teacher_from))
-        return self.detector(job, stage1, cam_json)
+            return self.gradcam(self.stage1("mvccl"))
+        m = METHODS[job]
+        cam_json = self.gradcam(self.stage1("mvccl")) if plan.gradcam and m.cam else ""
+        if m.teacher_from:  # its export is an input: refuse to start without it
+            self.skipped(m.teacher_from, self.dir(m.teacher_from))
+        return self.detector(job, {m.init: self.stage1(m.init)}, cam_json)
 
     def run_all(self):
         a = self.args
