@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.braixdet-setup
-SETUP_INPUTS := requirements.txt setup.cfg pyproject.toml tools/install_detectron2.py \
+SETUP_INPUTS := requirements.txt setup.cfg setup.py pyproject.toml tools/install_detectron2.py \
                 tools/patches/detectron2-0.6-backports.patch
 OUT ?= out
 QUICK ?=

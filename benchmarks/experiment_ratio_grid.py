@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from braixdet.pipeline.core import REPO, Pipeline, add_pipeline_arguments
+from braixdet.model_zoo import config_root
+from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
 from braixdet.pipeline.methods import METHODS, STAGE1
 from braixdet.pipeline.results import METRICS, summarize
 from braixdet.utils.io import atomic_write_json, atomic_write_text
@@ -35,7 +36,7 @@ def run_args(a, protocol, ratio, seed, out, methods):
     h, w = a.size
     return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
         "--dataset", "cbis_ddsm", "--root", a.root, "--protocol", protocol, "--ratio", ratio,
-        "--seed", str(seed), "--out", out, "--configs", os.path.join(REPO, "configs", "demo"),
+        "--seed", str(seed), "--out", out, "--configs", os.path.join(config_root(), "demo"),
         "--methods", *methods, "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),

@@ -533,3 +533,166 @@ def test_a_method_that_needs_another_methods_export_runs_after_it(monkeypatch, t
     opts = trained[0][1]
     assert opts[opts.index("MODEL.WEIGHTS") + 1] == str(tmp_path / "o" / "faster_rcnn" /
                                                           "model_export.pth")
+
+
+# ------------------------------------------------------------------ cluster launcher (issue 32)
+def _fresh_install(tmp_path):
+    """A fresh virtual environment holding braixdet installed non-editable (pip builds it from a
+    copy of the checkout's package files); torch, detectron2 and submitit come from this
+    interpreter's site-packages through a plain path line (not a site dir, so the editable
+    braixdet installed there is not loaded). Returns its python."""
+    import shutil
+    import site
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), src / name)
+    for name in ("configs", "projects"):
+        shutil.copytree(os.path.join(REPO, name), src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
+                              "'purelib'))"], capture_output=True, text=True, check=True)
+    with open(os.path.join(purelib.stdout.strip(), "_base.pth"), "w") as f:
+        f.write(site.getsitepackages()[0] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    "--no-deps", "--no-build-isolation", "--no-index",
+                    "--disable-pip-version-check", str(src)], check=True, capture_output=True)
+    return str(python), purelib.stdout.strip()
+
+
+def _task_of(controller_pid):
+    """The job process a local submitit job's controller started (its one task)."""
+    with open(f"/proc/{controller_pid}/task/{controller_pid}/children") as f:
+        return int(f.read().split()[0])
+
+
+def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pipeline_run,
+                                                                            tmp_path):
+    """Issue 32: the package installed non-editable in a fresh environment, run from a folder
+    outside the repository as ``python -m braixdet.pipeline.experiments --launcher local``:
+    seed 0's grid of pipeline_run with its Faster R-CNN stage missing. Only that stage's job
+    and the summary job run (done stages are not submitted); the Faster R-CNN job gets
+    submitit's preemption signal after its first checkpoint, is requeued and resumes from it;
+    the table equals the in-process run's (the same numbers: the resumed data order replays)."""
+    import re
+    import shutil
+    import signal
+    import time
+
+    python, site_dir = _fresh_install(tmp_path)
+    exp = tmp_path / "exp"
+    src = pipeline_run["out"]
+    shutil.copytree(src, exp / "s0", symlinks=True,
+                    ignore=lambda d, names: {"faster_rcnn", "logs"} if d == str(src) else set())
+    argv = pipeline_argv(pipeline_run["root"], exp, ("cam_only", "faster_rcnn", "braixdet"))
+    argv[argv.index("--configs") + 1] = "demo"  # the packaged configs
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [python, "-m", "braixdet.pipeline.experiments", "--seeds", "0", *argv,
+             "--launcher", "local", "--gpus-per-job", "0", "--timeout-min", "20"],
+            cwd=elsewhere, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            stage = exp / "s0" / "faster_rcnn"
+            deadline = time.time() + 400
+            while not (stage / "last_checkpoint").exists():
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            job = min(int(p.name) for p in (exp / "submitit").iterdir() if p.name.isdigit())
+            os.kill(_task_of(job), signal.SIGUSR2)  # what submitit's controller sends at timeout
+            assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    jobs = [line for line in text.splitlines() if "local job" in line]
+    assert [j.split("]")[0] for j in jobs] == ["=== [s0/faster_rcnn", "=== [summary"], text
+    job_log = (exp / "submitit" / str(job) / f"{job}_0_log.out").read_text()
+    assert "Requeued job" in job_log, job_log[-2000:]
+    stage_log = (exp / "s0" / "logs" / "faster_rcnn.log").read_text()  # the requeued run's
+    start = re.search(r"Starting training from iteration (\d+)", stage_log)
+    assert start and int(start.group(1)) > 0, stage_log[-2000:]
+    # done stages were not run again; the installed package's own configs were used
+    for done in ("mvccl", "classifier_single_view", "gradcam", "braixdet"):
+        assert (exp / "s0" / done / "stage_done.json").read_bytes() == \
+            (src / done / "stage_done.json").read_bytes()
+    marker = json.loads((stage / "stage_done.json").read_text())
+    assert marker["config"].startswith(os.path.join(site_dir, "braixdet", "configs", "demo"))
+    ours = json.loads((exp / "summary.json").read_text())
+    ref = json.loads((pipeline_run["exp"] / "summary.json").read_text())
+    for key in ("rows", "classifiers"):  # as text: a one-class split's AUC is NaN (!= NaN)
+        assert json.dumps(ours[key]) == json.dumps(ref[key]), key
+
+    def no_time(md):  # the run-time column differs between runs
+        return [line.rsplit("|", 2)[0] for line in md.splitlines()]
+
+    assert no_time((exp / "summary.md").read_text()) == \
+        no_time((pipeline_run["exp"] / "summary.md").read_text())
+
+
+def test_dry_run_lists_the_job_graph_and_its_gpu_hours(pipeline_run, tmp_path, capsys):
+    """Issue 32 item 4: 2 seeds x 2 rows; seed 0's stages are done (copied from pipeline_run)
+    and left out; seed 1's jobs wait for what they start from; GPU hours = iterations x
+    --sec-per-iter / 3600 (3 iterations per stage here)."""
+    import shutil
+
+    from braixdet.pipeline import experiments
+
+    exp = tmp_path / "exp"
+    shutil.copytree(pipeline_run["out"], exp / "s0", symlinks=True)
+    argv = pipeline_argv(pipeline_run["root"], exp, ("faster_rcnn", "braixdet"))
+    out = experiments.run(experiments.parse_args([
+        *argv, "--seeds", "0", "1", "--dry-run", "--gpus-per-job", "8",
+        "--sec-per-iter", "stage1=1200", "detector=2400"]))
+    graph = {j.key: (j.after, j.gpus, j.iterations) for j in out["jobs"]}
+    assert graph == {
+        "s1/mvccl": ((), 8, 3), "s1/classifier_single_view": ((), 8, 3),
+        "s1/gradcam": (("s1/mvccl",), 1, None),
+        "s1/faster_rcnn": (("s1/classifier_single_view",), 8, 3),
+        "s1/braixdet": (("s1/mvccl", "s1/gradcam"), 8, 3),
+        "summary": (("s1/mvccl", "s1/classifier_single_view", "s1/gradcam", "s1/faster_rcnn",
+                     "s1/braixdet"), 0, None)}
+    # 2 classifiers x 3 x 1200 s + 2 detectors x 3 x 2400 s = 6 GPU hours
+    assert "6 jobs; training GPU hours: 6.0" in capsys.readouterr().out
+    assert not (exp / "submitit").exists()  # nothing submitted
+
+
+def test_a_cluster_job_runs_its_stage_only_from_the_stages_it_waits_for(monkeypatch, tmp_path):
+    """Issue 32: a detector job needs only Plan.after's stages done (the seed's other
+    classifier may still be running); a job whose input stage is not done stops with one line
+    instead of training that stage itself; the summary job trains nothing."""
+    import argparse
+
+    from braixdet.pipeline.core import Pipeline, Plan
+    from braixdet.pipeline.stages import StageFailed, mark_done
+
+    args = argparse.Namespace(
+        dataset="cbis_ddsm", root=str(tmp_path), csv="", protocol="partial", ratio="1/8",
+        seed=0, out=str(tmp_path / "o"), configs="demo", methods=["faster_rcnn", "braixdet"],
+        num_gpus=1, num_machines=1, machine_rank=0, dist_url="auto", opts=[], stage1_opts=[],
+        det_opts=[])
+    plan = Plan(stage1=("mvccl", "classifier_single_view"), gradcam=True, cam_only=False,
+                detectors=("faster_rcnn", "braixdet"), no_weak=False)
+    assert plan.after("braixdet") == ("mvccl", "gradcam")
+    assert plan.after("faster_rcnn") == ("classifier_single_view",)
+    for done in ("mvccl", "gradcam"):  # classifier_single_view: still running
+        mark_done(str(tmp_path / "o" / done))
+    trained = []
+    monkeypatch.setattr("braixdet.pipeline.core.read_metrics", lambda folder: {})
+    for job in ("braixdet", "faster_rcnn", "summary"):
+        pipe = Pipeline(args, job=job)
+        monkeypatch.setattr(pipe, "run", lambda name, cmd: trained.append(
+            (name, cmd[cmd.index("MODEL.BRAIXDET.INIT_FROM_CLASSIFIER") + 1])))
+        if job == "braixdet":
+            pipe.run_job(job, plan)
+        else:
+            with pytest.raises(StageFailed, match="stage classifier_single_view of .* not done"):
+                pipe.run_job(job, plan) if job != "summary" else pipe.run_all()
+    assert trained == [("braixdet", str(tmp_path / "o" / "mvccl" / "model_final.pth"))]

@@ -3,33 +3,28 @@
 
   python tools/run_experiments.py --dataset cbis_ddsm --root /data/CBIS-DDSM --ratio 1/8 \
       --seeds 0 1 2 --out output/cbis_r1_8 [--configs configs/demo] [--num-gpus 8]
+  ... --launcher slurm --partition gpu --gpus-per-job 8 --timeout-min 1440 [--dry-run]
 
 Per seed, the pipeline (tools/run_pipeline.py's arguments; default methods: the rows of the
 paper's Table 5) into <out>/s<seed>/; then mean ± std over seeds, the classifiers' AUC and the
 one-tailed Welch t-test of BRAIxDet against the second best row in <out>/summary.md and
 summary.json (braixdet/pipeline/experiments.py). Re-running continues where it stopped.
+``--launcher slurm|local``: one submitit job per (seed, stage) with the summary job last
+(braixdet/pipeline/launcher.py); ``--dry-run`` prints the jobs and their GPU hours.
+Installed: ``python -m braixdet.pipeline.experiments``, the same arguments.
 """
-import argparse
 import sys
 
 from braixdet.engine.preflight import run_tool
-from braixdet.pipeline import add_pipeline_arguments
-from braixdet.pipeline.experiments import DEFAULT_METHODS, run_experiments
+from braixdet.pipeline import experiments
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    add_pipeline_arguments(ap)
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.set_defaults(out="output/experiments", methods=DEFAULT_METHODS)
-    return ap.parse_args(argv)
+    return experiments.parse_args(argv, description=__doc__)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    return run_experiments(args, args.seeds, args.out)
+    return experiments.run(parse_args(argv))
 
 
 if __name__ == "__main__":

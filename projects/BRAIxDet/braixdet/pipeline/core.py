@@ -1,6 +1,7 @@
 """The two-stage BRAIxDet pipeline on one dataset and seed, each stage skipped when done.
 
-Stages (each also runnable alone with tools/train_net.py / tools/gradcam_pseudo_labels.py):
+Stages (each a package entry point run as a child process, ``python -m
+braixdet.pipeline.train_net`` / ``gradcam_pseudo_labels``; tools/ has the same two as scripts):
   mvccl                   BRAIxMVCCL classifier pre-training (D_s ∪ D_w, labels only)
   classifier_single_view  single-view EfficientNet classifier, same data (baseline init)
   gradcam                 Algorithm 1 pseudo-boxes of the weak cancers (+ their hit rate)
@@ -16,7 +17,9 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
+from ..model_zoo import resolve_config_root
 from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
 from .results import (
     format_classifiers,
@@ -24,12 +27,7 @@ from .results import (
     read_cam_quality,
     read_metrics,
 )
-from .stages import done_marker, is_done, mark_done, read_json, run_stage
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))))
-TOOLS = os.path.join(REPO, "tools")
-DEFAULT_CONFIGS = os.path.join(REPO, "configs")
+from .stages import StageFailed, done_marker, is_done, mark_done, read_json, run_stage
 
 
 def add_pipeline_arguments(ap, root_required=True):
@@ -43,8 +41,9 @@ def add_pipeline_arguments(ap, root_required=True):
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="output/pipeline")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help="config root: configs (paper sizes) or configs/demo")
+    ap.add_argument("--configs", default="",
+                    help="config root: a folder (configs, configs/demo) or a packaged one "
+                         "(default: the paper's; 'demo': the demo's), braixdet/model_zoo.py")
     ap.add_argument("--methods", nargs="+", default=["braixdet"],
                     choices=[CAM_ONLY, *METHODS], help="rows to produce (default: braixdet)")
     ap.add_argument("--num-gpus", type=int, default=1)
@@ -62,13 +61,40 @@ def _children_cpu_seconds():
     return ru.ru_utime + ru.ru_stime
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one seed's pipeline runs, in order: the cluster launcher makes one job of each."""
+    stage1: tuple  # STAGE1 names the rows start from
+    gradcam: bool  # Algorithm 1 pseudo-boxes (a row reads SSL.CAM_JSON)
+    cam_only: bool  # the CAM-only rows
+    detectors: tuple  # METHODS keys, dependencies (teacher_from) first
+    no_weak: bool  # the full protocol on a source without weak cases (SSL rows supervised)
+
+    def jobs(self):
+        return [*self.stage1, *(["gradcam"] if self.gradcam else []),
+                *(["cam_only"] if self.cam_only else []), *self.detectors]
+
+    def after(self, job):
+        """The jobs ``job`` starts from (their outputs are its inputs)."""
+        if job in STAGE1:
+            return ()
+        if job in ("gradcam", CAM_ONLY):
+            return ("mvccl",)
+        m = METHODS[job]
+        return (m.init, *(["gradcam"] if m.cam and self.gradcam else []),
+                *([m.teacher_from] if m.teacher_from else []))
+
+
 class Pipeline:
-    def __init__(self, args):
+    def __init__(self, args, job=None):
+        """``job``: run that job of ``plan().jobs()`` only (a cluster job): a stage of
+        another job that is not done is an error, not trained here. "summary": run nothing."""
         from ..data.protocols import parse_ratio
 
         self.args = args
         self.out = os.path.abspath(args.out)
         self.python = sys.executable
+        self.configs = resolve_config_root(args.configs)
         # always "p/q": the config reads a bare "1" (--ratio 1, 1.0) as an int and refuses it
         ratio = parse_ratio(args.ratio)
         self.common = [
@@ -82,19 +108,19 @@ class Pipeline:
         self.timings, self.cpu_timings = {}, {}  # stage -> seconds (wall, CPU)
         self.row_stage = {}  # table row -> the stage that trained or scored it (its run time)
         self._names = None
-        self.no_weak = False  # the full protocol on a source without weak cases (run_all)
+        self.no_weak = False  # the full protocol on a source without weak cases (plan)
+        self.job = job
 
     def dir(self, stage):
         return os.path.join(self.out, stage)
 
     def config(self, rel):
-        return os.path.join(self.args.configs, rel)
+        return os.path.join(self.configs, rel)
 
     def run(self, name, cmd):
         """Run one stage (stages.run_stage); its full output goes to <out>/logs/<name>.log."""
         t0, cpu0 = time.time(), _children_cpu_seconds()
-        run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"),
-                  cwd=REPO)
+        run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"))
         self.timings[name] = round(time.time() - t0, 1)
         # CPU time of the stage's processes: unlike wall time, not inflated by other jobs
         self.cpu_timings[name] = round(_children_cpu_seconds() - cpu0, 1)
@@ -104,7 +130,9 @@ class Pipeline:
         return {"seconds": self.timings.get(name), "cpu_seconds": self.cpu_timings.get(name)}
 
     def tool(self, name):
-        return [self.python, os.path.join(TOOLS, name)]
+        """The command of a stage entry point (a module of this package, not a script path:
+        an installed package runs it from any directory)."""
+        return [self.python, "-m", f"braixdet.pipeline.{name}"]
 
     def launch_args(self):
         a = self.args
@@ -137,7 +165,12 @@ class Pipeline:
     def test_name(self):
         return self.names()["test"]
 
-    def skipped(self, name, folder):
+    def skipped(self, name, folder, job=None):
+        """Whether stage ``name`` (of job ``job``, default ``name``) is done; a cluster job
+        refuses to run another job's stage (that job failed or was cancelled)."""
+        if not is_done(folder) and self.job is not None and self.job != (job or name):
+            raise StageFailed(f"error: stage {name} of {self.out} is not done: its job failed "
+                              "or was cancelled; submit the grid again")
         if is_done(folder):
             print(f"=== [{name}] skipped: {folder} is done")
             marker = read_json(done_marker(folder))  # the run times of the run that did it
@@ -153,7 +186,7 @@ class Pipeline:
         out = self.dir(name)
         if not self.skipped(name, out):
             # --resume: a re-run after a crash or a stop continues from <out>/last_checkpoint
-            self.run(name, [*self.tool("train_net.py"), "--config-file", config, "--resume",
+            self.run(name, [*self.tool("train_net"), "--config-file", config, "--resume",
                             *self.launch_args(), *self.common, "OUTPUT_DIR", out, *opts])
             mark_done(out, stage=name, config=config, **self.timed(name))
         return out
@@ -167,11 +200,15 @@ class Pipeline:
         best = os.path.join(out, EXPORT_NAME)
         return best if os.path.exists(best) else os.path.join(out, "model_final.pth")
 
+    def cam_json(self):
+        """Where the GradCAM stage writes Algorithm 1's pseudo-boxes."""
+        return os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
+
     def gradcam(self, mvccl_weights):
-        out = os.path.join(self.dir("mvccl"), "gradcam_pseudo_boxes.json")
+        out = self.cam_json()
         folder = self.dir("gradcam")
         if not self.skipped("gradcam", folder):
-            self.run("gradcam", [*self.tool("gradcam_pseudo_labels.py"),
+            self.run("gradcam", [*self.tool("gradcam_pseudo_labels"),
                                  "--config-file", self.config(STAGE1["mvccl"]), "--weights",
                                  mvccl_weights, "--out", out, *self.common, "OUTPUT_DIR",
                                  self.dir("mvccl"), *self.args.stage1_opts])
@@ -192,9 +229,9 @@ class Pipeline:
         for method, layer in dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]):
             name = f"cam_only_{method}_{layer}"
             out = self.dir(name)
-            if not self.skipped(name, out):
+            if not self.skipped(name, out, job=CAM_ONLY):
                 self.run(name, [
-                    *self.tool("gradcam_pseudo_labels.py"),
+                    *self.tool("gradcam_pseudo_labels"),
                     "--config-file", self.config(STAGE1["mvccl"]), "--weights", mvccl_weights,
                     "--evaluate", self.test_name(), "--eval-out", out, *self.common,
                     "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts,
@@ -210,6 +247,13 @@ class Pipeline:
 
     def detector(self, key, stage1_weights, cam_json):
         """Train method ``key`` (METHODS); returns the exported model's test metrics."""
+        self.train(key, self.config(METHODS[key].config),
+                   self.detector_opts(key, stage1_weights, cam_json))
+        # the trainer leaves the exported (best-validation) model's test metrics here
+        return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
+
+    def detector_opts(self, key, stage1_weights, cam_json):
+        """The config overrides of method ``key``'s detector stage (after self.common)."""
         from ..engine.trainers import EXPORT_NAME
 
         m = METHODS[key]
@@ -220,9 +264,24 @@ class Pipeline:
             opts += [m.teacher_key, os.path.join(self.dir(m.teacher_from), EXPORT_NAME)]
         if self.no_weak:
             opts += ["SSL.ENABLED", "False", "SSL.CAM_JSON", ""]
-        self.train(key, self.config(m.config), [*opts, *self.args.det_opts])
-        # the trainer leaves the exported (best-validation) model's test metrics here
-        return read_metrics(os.path.join(self.dir(key), "inference", "model", self.test_name()))
+        return [*opts, *self.args.det_opts]
+
+    def iterations(self, job, plan):
+        """Training iterations of a stage-1 or detector job, from its config and datasets as
+        the stage will resolve them (engine/schedule.py); for the launcher's --dry-run."""
+        from ..engine.schedule import resolve_schedule
+        from ..engine.setup import build_cfg, register_and_assign_datasets
+        from ..engine.trainers import EXPORT_NAME
+
+        if job in STAGE1:
+            config, opts = self.config(STAGE1[job]), list(self.args.stage1_opts)
+        else:
+            exports = {n: os.path.join(self.dir(n), EXPORT_NAME) for n in STAGE1}
+            config = self.config(METHODS[job].config)
+            opts = self.detector_opts(job, exports, self.cam_json() if plan.gradcam else "")
+        cfg = build_cfg(config, [*self.common, "OUTPUT_DIR", self.dir(job), *opts])
+        register_and_assign_datasets(cfg)
+        return int(resolve_schedule(cfg).SOLVER.MAX_ITER)
 
     def classifier_metrics(self, name):
         """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
@@ -235,7 +294,8 @@ class Pipeline:
                 out[split] = read_json(path)["classification"]
         return out
 
-    def run_all(self):
+    def plan(self):
+        """The stages of ``--methods``; under the full protocol it loads D_w once (no_weak)."""
         a = self.args
         keys = method_order(a.methods)
         needed = {METHODS[k].init for k in keys}
@@ -249,12 +309,40 @@ class Pipeline:
             print("=== [gradcam] skipped: the full protocol's D_w holds no image here; SSL rows "
                   "train as their supervised detectors (SSL.ENABLED False)", flush=True)
             uses_cam = False
-        stage1 = {name: self.stage1(name) for name in STAGE1 if name in needed}
-        cam_json = self.gradcam(stage1["mvccl"]) if uses_cam else ""
+        return Plan(stage1=tuple(n for n in STAGE1 if n in needed), gradcam=uses_cam,
+                    cam_only=CAM_ONLY in a.methods, detectors=tuple(keys), no_weak=self.no_weak)
+
+    def job_done(self, job):
+        """Whether every stage of ``job`` (a name of ``Plan.jobs``) is done."""
+        if job == CAM_ONLY:
+            return all(is_done(self.dir(f"cam_only_{m}_{layer}")) for m, layer in
+                       dict.fromkeys([self.cam_settings(), PAPER_CAM, LOCALISING_CAM]))
+        return is_done(self.dir(job))
+
+    def run_job(self, job, plan):
+        """One job of ``plan`` (a cluster job): its stage, from the stages of Plan.after(job)
+        only (others of the seed may still be running)."""
+        if job in STAGE1:
+            return self.stage1(job)
+        if job == CAM_ONLY:
+            return self.cam_only(self.stage1("mvccl"))
+        if job == "gradcam":
+            return self.gradcam(self.stage1("mvccl"))
+        m = METHODS[job]
+        cam_json = self.gradcam(self.stage1("mvccl")) if plan.gradcam and m.cam else ""
+        if m.teacher_from:  # its export is an input: refuse to start without it
+            self.skipped(m.teacher_from, self.dir(m.teacher_from))
+        return self.detector(job, {m.init: self.stage1(m.init)}, cam_json)
+
+    def run_all(self):
+        a = self.args
+        plan = self.plan()
+        stage1 = {name: self.stage1(name) for name in plan.stage1}
+        cam_json = self.gradcam(stage1["mvccl"]) if plan.gradcam else ""
         results = {}
-        if CAM_ONLY in a.methods:
+        if plan.cam_only:
             results.update(self.cam_only(stage1["mvccl"]))
-        for key in keys:
+        for key in plan.detectors:
             metrics = self.detector(key, stage1, cam_json)
             if key in a.methods:
                 results[METHODS[key].label] = metrics

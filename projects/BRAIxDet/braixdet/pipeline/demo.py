@@ -13,8 +13,9 @@ import os
 import shutil
 import time
 
+from ..model_zoo import config_root, get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
-from .core import REPO, Pipeline, add_pipeline_arguments
+from .core import Pipeline, add_pipeline_arguments
 from .experiments import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
 from .results import format_classifiers, format_table
 
@@ -112,7 +113,7 @@ def pipeline_args(root, out, spec, base, seed, methods=METHODS):
     h, w = spec["size"]
     return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
         "--dataset", "cbis_ddsm", "--root", root, "--ratio", "1/8", "--seed", str(seed),
-        "--out", out, "--configs", os.path.join(REPO, "configs", "demo"),
+        "--out", out, "--configs", os.path.join(config_root(), "demo"),
         "--methods", *methods, "--num-gpus", "1",
         "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(base, "cache"),  # survives re-runs
@@ -158,7 +159,7 @@ def _overlays(pipeline, out):
     from ..engine.setup import build_cfg, register_and_assign_datasets
 
     # the pipeline's own dataset overrides, so the overlays see the same registered split
-    cfg = build_cfg(os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"),
+    cfg = build_cfg(get_config_file("demo/BRAIxDet/braixdet.yaml"),
                     [*pipeline.common, "OUTPUT_DIR", os.path.join(out, "overlays_tmp")])
     register_and_assign_datasets(cfg)
     return draw_overlays(os.path.join(out, "overlays"), pipeline.dir("braixdet"),

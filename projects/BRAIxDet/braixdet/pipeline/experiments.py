@@ -4,13 +4,19 @@ Per seed, one Pipeline run with every method into <out>/s<seed>/ (its own split 
 models). Then, as in the paper's tables: mean ± std (ddof=1) over seeds of AP@0.2 and
 Recall@0.5 FPPI per row, the stage-1 classifiers' AUC, and the one-tailed Welch t-test of
 BRAIxDet against the second best row. Written to <out>/summary.md and summary.json.
+
+``python -m braixdet.pipeline.experiments`` (console script ``braixdet-experiments``) is
+tools/run_experiments.py installed: the same arguments, from any directory.
 """
+import argparse
 import copy
 import os
+import sys
 import time
 
+from ..engine.preflight import run_tool
 from ..utils.io import atomic_write_bytes, atomic_write_json
-from .core import Pipeline
+from .core import Pipeline, add_pipeline_arguments
 from .results import paper_table
 
 # the rows of the paper's Table 5
@@ -27,9 +33,10 @@ def seed_args(args, seed, out):
     return a
 
 
-def run_seeds(args, seeds, out, per_seed_out=None):
+def run_seeds(args, seeds, out, per_seed_out=None, job=None):
     """Pipeline runs of ``args`` for each seed -> [summary]; per_seed_out(seed) names the
-    folder of a seed (default <out>/s<seed>)."""
+    folder of a seed (default <out>/s<seed>); ``job="summary"``: read finished stages only
+    (the cluster launcher's summary job, launcher.py)."""
     per_seed = []
     t0 = time.time()
     for i, seed in enumerate(seeds):
@@ -38,7 +45,7 @@ def run_seeds(args, seeds, out, per_seed_out=None):
         a = seed_args(args, seed, out)
         if per_seed_out is not None:
             a.out = per_seed_out(seed)
-        per_seed.append(Pipeline(a).run_all())
+        per_seed.append(Pipeline(a, job=job).run_all())
     return per_seed
 
 
@@ -53,12 +60,43 @@ def write_experiments(per_seed, seeds, out, minutes):
     return md, summary
 
 
-def run_experiments(args, seeds, out):
+def run_experiments(args, seeds, out, job=None):
     """The whole grid: run_seeds then write_experiments; returns the summary dict."""
     out = os.path.abspath(out)
     t0 = time.time()
-    per_seed = run_seeds(args, seeds, out)
+    per_seed = run_seeds(args, seeds, out, job=job)
     md, summary = write_experiments(per_seed, seeds, out, (time.time() - t0) / 60)
     print("\n" + md)
     print(f"\nwrote {out}/summary.md and summary.json ({summary['minutes']} min)")
     return summary
+
+
+def parse_args(argv=None, description=__doc__):
+    """tools/run_experiments.py's arguments: the pipeline's, the launcher's and --seeds."""
+    from .launcher import add_launcher_arguments  # launcher.py imports this module
+
+    ap = argparse.ArgumentParser(description=description.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=description.split("\n\n", 1)[1])
+    add_pipeline_arguments(ap)
+    add_launcher_arguments(ap)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.set_defaults(out="output/experiments", methods=DEFAULT_METHODS)
+    return ap.parse_args(argv)
+
+
+def run(args):
+    """In process (default), or as submitit jobs (--launcher local/slurm, --dry-run)."""
+    from .launcher import launch
+
+    if args.launcher != "inprocess" or args.dry_run:
+        return launch(args, args.seeds, args.out)
+    return run_experiments(args, args.seeds, args.out)
+
+
+def main(argv=None):
+    return run_tool(lambda a: run(parse_args(a)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

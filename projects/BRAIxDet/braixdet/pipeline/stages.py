@@ -67,7 +67,8 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
     stdout. Raises StageFailed (exit status != 0) or StageInterrupted (a signal we forwarded).
     """
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    print(f"\n=== [{name}] {os.path.basename(cmd[1])} (full log: {log_path})", flush=True)
+    entry = cmd[2] if cmd[1] == "-m" else os.path.basename(cmd[1])  # module or script
+    print(f"\n=== [{name}] {entry} (full log: {log_path})", flush=True)
     received = []
     tail = []
     with open_no_follow(log_path, "w", replace_link=True) as log, subprocess.Popen(
