@@ -400,7 +400,8 @@ def test_missing_or_invalid_study_uid_is_one_line_and_every_other_image_predicte
         "0.99", *TINY])  # few findings: highdicom builds ~100/s
     rep = json.loads((out / "report.json").read_text())
     assert sorted((e["path"], e["reason"]) for e in rep["errors"]) == sorted(
-        [(str(missing), "missing_uid"), (str(invalid), "invalid_value")])
+        [(str(missing.relative_to(inp)), "missing_uid"),
+         (str(invalid.relative_to(inp)), "invalid_value")])  # paths relative to --input
     want = {read_dicom_meta(f).sop_uid for e in exams for f in e.iterdir()} - {
         pydicom.dcmread(f, stop_before_pixels=True).SOPInstanceUID for f in (missing, invalid)}
     assert {r["sop_instance_uid"] for r in records} == want and len(want) >= 4
