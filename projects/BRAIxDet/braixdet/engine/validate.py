@@ -110,8 +110,9 @@ def validate_config(cfg):
     """Raise ConfigValueError for the first value outside its allowed set; returns ``cfg``."""
     for key, (ok, allowed) in _checks().items():
         value = _get(cfg, key)
-        if key == "DATASETS.BRAIXDET.RATIO" and _get(cfg, "DATASETS.BRAIXDET.PROTOCOL") != "partial":
-            continue  # the fully labelled protocol ignores the ratio
+        protocol = _get(cfg, "DATASETS.BRAIXDET.PROTOCOL")
+        if key == "DATASETS.BRAIXDET.RATIO" and protocol != "partial":
+            continue  # only the partially labelled protocol reads the ratio
         if value is not _MISSING and not ok(value):
             raise ConfigValueError(key, value, allowed)
     return cfg

@@ -53,8 +53,9 @@ def threshold_pseudo_targets(teacher_outputs, weak_inputs, score_thresh, keep_to
 
 class StrongAugment:
     """Our first policy ("affine"; no official method's): colour jitter, random affine
-    (translate/scale) and cutout on a (C, H, W) image in [0, 1] with its boxes; torchvision's v2 transforms move the boxes with the geometry. Randomness is
-    torch's (reseeded per iteration by the trainer, so a resumed run draws the same)."""
+    (translate/scale) and cutout on a (C, H, W) image in [0, 1] with its boxes; torchvision's v2
+    transforms move the boxes with the geometry. Randomness is torch's (reseeded per iteration
+    by the trainer, so a resumed run draws the same)."""
 
     def __init__(self, color=0.4, translate=0.1, scale=(0.9, 1.1), cutout_p=0.7):
         self.tfm = v2.Compose([
