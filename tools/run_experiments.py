@@ -5,7 +5,7 @@
       --seeds 0 1 2 --out output/cbis_r1_8 [--configs configs/demo] [--num-gpus 8]
 
 Per seed, the pipeline (tools/run_pipeline.py's arguments; default methods: the rows of the
-paper's Table 5) into <out>/s<seed>/; then mean ± std over seeds, the classifiers' AUC and the
+paper's Table 6) into <out>/s<seed>/; then mean ± std over seeds, the classifiers' AUC and the
 one-tailed Welch t-test of BRAIxDet against the second best row in <out>/summary.md and
 summary.json (braixdet/pipeline/experiments.py). Re-running continues where it stopped.
 """

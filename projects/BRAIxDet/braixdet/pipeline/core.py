@@ -6,7 +6,7 @@ Stages (each also runnable alone with tools/train_net.py / tools/gradcam_pseudo_
   gradcam                 Algorithm 1 pseudo-boxes of the weak cancers (+ their hit rate)
   one folder per method (METHODS): the detector, its exported model (best on validation) and
                           its test metrics (AP@0.2, FROC)
-Every row of the paper's ablation (Table 5) is a method; stage-1 models are trained once and
+Every row of the paper's ablation (Table 6) is a method; stage-1 models are trained once and
 shared by the rows that need them, as in the paper; a detector starts from its classifier's
 best-on-validation export. A stage is done when its done-marker exists (written last); a
 killed or stopped pipeline re-run continues: finished stages are skipped and training stages
