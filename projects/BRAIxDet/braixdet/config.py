@@ -103,8 +103,9 @@ def _add_dataset_config(cfg):
     # schedule: refused before training unless this is True (then the last model is exported)
     d.ALLOW_LESION_FREE_VAL = False
     # detection test set (data/protocols.py): "paper" = the fully annotated cancer images only
-    # (paper §4.1; configs/Base-*.yaml); "full" = every fully annotated test image, lesion-free
-    # ones included; "full+negatives" also scores weak label-0 images as lesion-free
+    # (paper §4.1, for ADMANI; on CBIS-DDSM our extrapolation; configs/Base-*.yaml); "full" =
+    # every fully annotated test image, lesion-free ones included; "full+negatives" also scores
+    # weak label-0 images as lesion-free
     d.TEST_IMAGES = "full"
     d.SPLIT_DIR = ""  # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits
     d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error

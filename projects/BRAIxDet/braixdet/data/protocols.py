@@ -2,10 +2,12 @@
 
 Roles, all patient-wise (a patient's images are in one role only):
 - ``test``: the detection test set, from the source's test split, by ``test_images``:
-  ``"paper"``: the fully annotated CANCER images only (paper §4.1: "we remove all non-cancer
-  cases, and all weakly annotated cancer cases"); ``"full"``: every FULLY ANNOTATED image,
-  lesion-free ones included (they add false positives: FPPI denominator); ``"full+negatives"``:
-  also the weak label-0 images as lesion-free. A weak cancer (boxes unknown) is never scored.
+  ``"paper"``: the fully annotated CANCER images only (paper §4.1, for ADMANI: "we remove all
+  non-cancer cases, and all weakly annotated cancer cases"; applying it to CBIS-DDSM, whose
+  benign test images the paper does not say it drops, is our extrapolation); ``"full"``: every
+  FULLY ANNOTATED image, lesion-free ones included (they add false positives: FPPI
+  denominator); ``"full+negatives"``: also the weak label-0 images as lesion-free. A weak
+  cancer (boxes unknown) is never scored.
 - ``test_cls``: every image of the test split with its label (stage-1 classifier evaluation).
 - ``val``: ``val_fraction`` of the training patients (seeded); their fully annotated images only
   (paper: the validation set has no weakly annotated cases: they cannot select a detector). Their
