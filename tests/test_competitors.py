@@ -216,13 +216,18 @@ def test_unbiased_teacher_augment_is_photometric():
 
 def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     """End to end from the first iteration (the demo's burn-in off): every loss term on the
-    pseudo-labelled images, the classification one through the background-weighted loss,
-    regression from reliable boxes."""
+    pseudo-labelled images, the classification one through the background-weighted loss from
+    the boxes >= SOFT_TEACHER_CLS_THRESH, regression from the reliable boxes through a second
+    sampling of the proposals."""
     from braixdet.ssl import soft_teacher
 
     t = _competitor_trainer("soft_teacher", synthetic_root, tmp_path, monkeypatch, 1,
                             ["SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3",
-                             "SSL.BURN_IN_ITERS", "0"])
+                             "SSL.BURN_IN_ITERS", "0", "SSL.SOFT_TEACHER_CLS_THRESH", "0.3"])
+    rh, sampled = t.model.roi_heads, []
+    sample = rh.label_and_sample_proposals
+    monkeypatch.setattr(rh, "label_and_sample_proposals", lambda p, g: (
+        sampled.append([x for x in g if x.has("gt_scores")]), sample(p, g))[1])
     calls, seen = [], []
     weighted = soft_teacher.background_weighted_cls_loss
     monkeypatch.setattr(soft_teacher, "background_weighted_cls_loss",
@@ -234,6 +239,11 @@ def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     assert {k for keys in seen for k in keys if k.startswith("weak_")} == {
         "weak_loss_cls", "weak_loss_box_reg", "weak_loss_rpn_cls", "weak_loss_rpn_loc"}
     assert calls
+    pseudo = [g for g in sampled if g]  # the two samplings of the pseudo-labelled batch
+    assert len(pseudo) == 2
+    cls_set, reg_set = pseudo
+    assert all(bool((g.gt_scores >= 0.3).all()) for g in cls_set)
+    assert all(bool(g.gt_reg_ok.all()) for g in reg_set)
     assert os.path.exists(tmp_path / "soft_teacher" / "model_export.pth")
 
 
