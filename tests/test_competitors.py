@@ -90,10 +90,14 @@ def _competitor_trainer(name, synthetic_root, tmp_path, monkeypatch, max_iter, e
 
 
 def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
-    """Burn-in (teacher = student), then weak losses with classification terms only."""
+    """Burn-in (teacher = student), then weak losses with classification terms only; each
+    labelled image trains as its weak copy and a strong copy (the labelled batch doubles)."""
     t = _competitor_trainer("unbiased_teacher", synthetic_root, tmp_path, monkeypatch, 3,
                             ["SSL.BURN_IN_ITERS", "1", "SSL.TEACHER_SCORE_THRESH", "0.0"])
     assert type(t.model.roi_heads).__name__ == "FocalLossROIHeads"
+    assert t.cfg.MODEL.RPN.POSITIVE_FRACTION == 0.25
+    sizes, forward = [], t.model.forward
+    monkeypatch.setattr(t.model, "forward", lambda b: (sizes.append(len(b)), forward(b))[1])
     seen = []
     step = t._trainer
     optimize = step.optimize
@@ -102,49 +106,128 @@ def test_unbiased_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     assert seen[0] == ["loss_box_reg", "loss_cls", "loss_rpn_cls", "loss_rpn_loc"]  # burn-in
     weak = {k for keys in seen[1:] for k in keys if k.startswith("weak_")}
     assert weak == {"weak_loss_cls", "weak_loss_rpn_cls"}
+    assert sizes[0] == 2 * t.cfg.SOLVER.IMS_PER_BATCH
     assert os.path.exists(tmp_path / "unbiased_teacher" / "model_export.pth")
 
 
-def test_background_weighting_matches_the_soft_teacher_formula():
+def test_background_weighting_is_the_official_joint_mean_on_three_rois():
+    """microsoft/SoftTeacher: Σ w ℓ / max(Σ w, 1), w = 1 on the foreground ROI and the teacher's
+    background score on the two background ROIs; hand-computed cross-entropies."""
+    import math
+
     from braixdet.ssl.soft_teacher import background_weighted_cls_loss
 
-    logits = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5], [-1.0, 1.0]])
-    gt = torch.tensor([0, 1, 1, 0])  # class 1 is background
-    bg = torch.tensor([0.9, 0.3, 0.1, 0.2])  # the teacher's background scores
-    ce = torch.nn.functional.cross_entropy(logits, gt, reduction="none")
-    hand = (ce[0] + ce[3]) / 2 + (0.3 * ce[1] + 0.1 * ce[2]) / 0.4
-    assert float(background_weighted_cls_loss(logits, gt, bg)) == pytest.approx(float(hand))
-    # all-background image: weights sum to one
-    gt_bg = torch.ones(4, dtype=torch.long)
-    ce_bg = torch.nn.functional.cross_entropy(logits, gt_bg, reduction="none")
-    assert float(background_weighted_cls_loss(logits, gt_bg, bg)) == pytest.approx(
-        float((bg * ce_bg).sum() / bg.sum()))
+    logits = torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)], [math.log(3.0), 0.0]])
+    gt = torch.tensor([0, 1, 1])  # class 1 is background: ROI 0 foreground, ROIs 1-2 background
+    bg = torch.tensor([0.5, 0.8, 0.2])  # the teacher's background scores
+    # ℓ = -log p: ROI 0 log 2, ROI 1 -log(3/4), ROI 2 -log(1/4); weights 1, 0.8, 0.2 (sum 2)
+    hand = (math.log(2) + 0.8 * math.log(4 / 3) + 0.2 * math.log(4)) / 2.0
+    assert float(background_weighted_cls_loss(logits, gt, bg)) == pytest.approx(hand, rel=1e-6)
+    # weights summing below one are not scaled up: the denominator is max(Σ w, 1)
+    low = torch.tensor([0.5, 0.1, 0.2])
+    hand_low = 0.1 * math.log(4 / 3) + 0.2 * math.log(4)
+    assert float(background_weighted_cls_loss(logits[1:], gt[1:], low[1:])) == pytest.approx(
+        hand_low, rel=1e-6)
 
 
 def test_jitter_uncertainty_selects_the_stable_boxes():
+    """Std over jitters over the MEAN refined box's width/height (the official normalisation)."""
     from braixdet.ssl.soft_teacher import box_uncertainty
 
-    boxes = torch.tensor([[0.0, 0.0, 10.0, 20.0], [0.0, 0.0, 10.0, 20.0]])
-    stable = boxes[0].expand(4, 4).clone()
-    stable[:, 0] += torch.tensor([0.0, 0.1, 0.0, -0.1])  # x0 std = 0.0816
-    shaky = boxes[1].expand(4, 4).clone()
-    shaky[:, 3] += torch.tensor([0.0, 4.0, 0.0, -4.0])  # y1 std = 3.266
+    box = torch.tensor([0.0, 0.0, 10.0, 20.0])
+    stable = box.expand(4, 4).clone()
+    stable[:, 0] += torch.tensor([0.0, 0.1, 0.0, -0.1])  # x0 std = 0.0816, mean width 10
+    shaky = box.expand(4, 4).clone()
+    shaky[:, 3] += torch.tensor([0.0, 4.0, 0.0, -4.0])  # y1 std = 3.266, mean height 20
     refined = torch.stack([stable, shaky], dim=1)  # (times, n, 4)
-    unc = box_uncertainty(boxes, refined)
+    unc = box_uncertainty(refined)
     s = torch.tensor([0.0, 0.1, 0.0, -0.1]).std()
     assert unc.tolist() == pytest.approx([float(s / 10 / 4), float(40 * s / 20 / 4)], rel=1e-5)
     assert (unc < 0.02).tolist() == [True, False]
 
 
+def test_ema_momentum_ramp_is_soft_teachers():
+    """min(0.999, 1 - 1/(s+1)) at the official hook's step s = our iteration + 1."""
+    from braixdet.ssl.ema import ema_momentum
+
+    assert [ema_momentum(0.999, t, ramp=True) for t in (0, 1, 18, 997, 998, 5000)] == \
+        pytest.approx([0.5, 2 / 3, 0.95, 1 - 1 / 999, 0.999, 0.999], abs=1e-9)
+    assert ema_momentum(0.999, 3, ramp=False) == 0.999
+
+
+def test_stac_keeps_the_top_box_of_an_image_without_a_confident_one():
+    """STAC labels with min(0.9, best score): one 0.4 box is kept; with a 0.95 box only the
+    boxes >= 0.9 are; an image without any teacher box stays all background."""
+    inp = [{"image": torch.zeros(1, 64, 32)}]
+    (t,) = threshold_pseudo_targets([_teacher([[1, 1, 5, 5]], [0.4])], inp, 0.9, keep_top=True)
+    assert t.gt_boxes.tensor.tolist() == [[1, 1, 5, 5]]
+    (none,) = threshold_pseudo_targets([_teacher([[1, 1, 5, 5]], [0.4])], inp, 0.9)
+    assert len(none) == 0  # without keep_top (Unbiased/Soft Teacher): all background
+    two = _teacher([[1, 1, 5, 5], [2, 2, 9, 9], [0, 0, 3, 3]], [0.95, 0.9, 0.89])
+    (t,) = threshold_pseudo_targets([two], inp, 0.9, keep_top=True)
+    assert t.gt_boxes.tensor.tolist() == [[1, 1, 5, 5], [2, 2, 9, 9]]
+    (e,) = threshold_pseudo_targets([_teacher([], [])], inp, 0.9, keep_top=True)
+    assert len(e) == 0
+
+
+def test_stac_augment_colour_geometry_and_cutout():
+    """Each STAC step on a hand-checkable image: solarize at level 5 inverts pixels >= 0.5; a
+    global translation moves the box by the image shift; the in-box affine leaves the boxes and
+    the outside untouched; the cut-outs paint 128/255 only."""
+    from braixdet.ssl.competitors import StacAugment
+
+    aug = StacAugment()
+    img = torch.tensor([[[0.2, 0.6], [0.5, 0.9]]])
+    assert torch.allclose(aug.color(img, "solarize", 5), torch.tensor([[[0.2, 0.4], [0.5, 0.1]]]))
+    assert torch.equal(aug.color(img, "color", 7), img)  # saturation: one channel, identity
+    torch.manual_seed(0)
+    image = torch.zeros(1, 64, 32)
+    image[:, 20:30, 8:16] = 1.0
+    boxes = torch.tensor([[8.0, 20.0, 16.0, 30.0]])
+    moved = 0
+    for _ in range(30):
+        out, b = aug.geometric(image, boxes)
+        if torch.equal(b, boxes):  # in-box affine (or a zero move): outside unchanged
+            outside = torch.ones_like(image, dtype=torch.bool)
+            outside[:, 20:30, 8:16] = False
+            assert torch.equal(out[outside], image[outside])
+        else:
+            moved += 1
+            ys, xs = torch.nonzero(out[0] > 0.99, as_tuple=True)
+            if len(ys) == 80 and b[0, 2] - b[0, 0] == 8:  # a pure translation
+                assert [float(xs.min()), float(ys.min())] == pytest.approx(b[0, :2].tolist())
+    assert moved > 0
+    cut = aug.cutout(torch.zeros(1, 64, 32))
+    assert torch.isclose(cut[cut > 0], torch.tensor(128 / 255)).all() and (cut > 0).any()
+
+
+def test_unbiased_teacher_augment_is_photometric():
+    """UT's strong copy keeps its boxes exactly (no geometry)."""
+    from braixdet.ssl.competitors import UnbiasedTeacherAugment
+
+    torch.manual_seed(1)
+    inst = Instances((64, 32))
+    inst.gt_boxes = Boxes(torch.tensor([[8.0, 20.0, 16.0, 30.0]]))
+    inst.gt_classes = torch.zeros(1, dtype=torch.long)
+    ex = {"image": torch.rand(1, 64, 32), "instances": inst}
+    out = strong_augment(ex, UnbiasedTeacherAugment())
+    assert out["instances"].gt_boxes.tensor.tolist() == [[8.0, 20.0, 16.0, 30.0]]
+
+
 def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     """End to end from the first iteration (the demo's burn-in off): every loss term on the
-    pseudo-labelled images, the classification one through the background-weighted loss,
-    regression from reliable boxes."""
+    pseudo-labelled images, the classification one through the background-weighted loss from
+    the boxes >= SOFT_TEACHER_CLS_THRESH, regression from the reliable boxes through a second
+    sampling of the proposals."""
     from braixdet.ssl import soft_teacher
 
     t = _competitor_trainer("soft_teacher", synthetic_root, tmp_path, monkeypatch, 1,
                             ["SSL.TEACHER_SCORE_THRESH", "0.0", "SSL.JITTER_TIMES", "3",
-                             "SSL.BURN_IN_ITERS", "0"])
+                             "SSL.BURN_IN_ITERS", "0", "SSL.SOFT_TEACHER_CLS_THRESH", "0.3"])
+    rh, sampled = t.model.roi_heads, []
+    sample = rh.label_and_sample_proposals
+    monkeypatch.setattr(rh, "label_and_sample_proposals", lambda p, g: (
+        sampled.append([x for x in g if x.has("gt_scores")]), sample(p, g))[1])
     calls, seen = [], []
     weighted = soft_teacher.background_weighted_cls_loss
     monkeypatch.setattr(soft_teacher, "background_weighted_cls_loss",
@@ -156,6 +239,11 @@ def test_soft_teacher_few_iterations(synthetic_root, tmp_path, monkeypatch):
     assert {k for keys in seen for k in keys if k.startswith("weak_")} == {
         "weak_loss_cls", "weak_loss_box_reg", "weak_loss_rpn_cls", "weak_loss_rpn_loc"}
     assert calls
+    pseudo = [g for g in sampled if g]  # the two samplings of the pseudo-labelled batch
+    assert len(pseudo) == 2
+    cls_set, reg_set = pseudo
+    assert all(bool((g.gt_scores >= 0.3).all()) for g in cls_set)
+    assert all(bool(g.gt_reg_ok.all()) for g in reg_set)
     assert os.path.exists(tmp_path / "soft_teacher" / "model_export.pth")
 
 

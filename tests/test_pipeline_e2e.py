@@ -139,7 +139,7 @@ def test_pipeline_produces_every_artefact(pipeline_run):
 
 
 def test_baseline_starts_from_the_single_view_classifier(pipeline_run):
-    """Paper Table 5 row 2: the Faster R-CNN baseline's encoder is a single-view classifier
+    """Paper Table 6 row 2: the Faster R-CNN baseline's encoder is a single-view classifier
     pre-trained on D_s ∪ D_w, not ImageNet alone; the multi-view rows start from BRAIxMVCCL."""
     out = pipeline_run["out"]
     frcnn = (out / "logs" / "faster_rcnn.log").read_text()

@@ -145,6 +145,25 @@ def test_full_protocol():
         parse_ratio("3/2")
 
 
+def test_the_three_protocols_by_name():
+    """partial (Tables 2/4), full = every box-annotated image + the extra weak images (Tables 3
+    and 6), supervised_only = every box-annotated image and no weak image anywhere (Table 5)."""
+    dicts = _fake_dicts()
+    full = compute_split(dicts, "full", seed=0)
+    sup = compute_split(dicts, "supervised_only", seed=0)
+    part = compute_split(dicts, "partial", ratio="1/2", seed=0)
+    src = {d["image_id"]: d for d in dicts}
+    weak_train = sorted(i for i in full["train_all"] if src[i]["annotation_type"] == "weak")
+    assert full["train_weak"] == weak_train and weak_train  # every extra weak training image
+    assert sup["train_full"] == full["train_full"] and sup["train_weak"] == []
+    assert sup["train_all"] == sup["train_full"]  # stage 1 sees no weak image either
+    assert sup["val"] == full["val"] == part["val"] and sup["test"] == full["test"]
+    assert len(part["train_full"]) < len(full["train_full"])
+    assert ratio_tag("supervised_only", "1/8") == "supervised_only"
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        compute_split(dicts, "supervised")
+
+
 def test_split_json_seed_and_reuse(tmp_path):
     dicts = _fake_dicts()
     f0, f0b, f1 = (str(tmp_path / n) for n in ("s0.json", "s0b.json", "s1.json"))

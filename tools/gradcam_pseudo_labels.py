@@ -2,7 +2,7 @@
 """Algorithm 1: GradCAM pseudo-boxes of the BRAIxMVCCL classifier for weakly labelled cancers.
 
   python tools/gradcam_pseudo_labels.py --config-file configs/MVCCL/mvccl.yaml \
-      --weights output/mvccl/model_final.pth --out output/mvccl/gradcam_pseudo_boxes.json \
+      --weights output/mvccl/model_export.pth --out output/mvccl/gradcam_pseudo_boxes.json \
       DATASETS.BRAIXDET.ROOT /data/CBIS-DDSM DATASETS.BRAIXDET.RATIO 1/8
 
 Writes one JSON, image_id -> {"boxes": [[x0,y0,x1,y1] original DICOM px], "scores": [p]}, for

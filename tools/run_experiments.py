@@ -6,7 +6,7 @@
   ... --launcher slurm --partition gpu --gpus-per-job 8 --timeout-min 1440 [--dry-run]
 
 Per seed, the pipeline (tools/run_pipeline.py's arguments; default methods: the rows of the
-paper's Table 5) into <out>/s<seed>/; then mean ± std over seeds, the classifiers' AUC and the
+paper's Table 6) into <out>/s<seed>/; then mean ± std over seeds, the classifiers' AUC and the
 one-tailed Welch t-test of BRAIxDet against the second best row in <out>/summary.md and
 summary.json (braixdet/pipeline/experiments.py). Re-running continues where it stopped.
 ``--launcher slurm|local``: one submitit job per (seed, stage) with the summary job last

@@ -5,7 +5,7 @@
       DATASETS.BRAIXDET.ROOT /data/CBIS-DDSM OUTPUT_DIR out/mvccl
   python tools/train_net.py --config-file configs/BRAIxDet/braixdet.yaml --num-gpus 8 \
       DATASETS.BRAIXDET.ROOT /data/CBIS-DDSM DATASETS.BRAIXDET.RATIO 1/8 \
-      MODEL.BRAIXDET.INIT_FROM_CLASSIFIER out/mvccl/model_final.pth SSL.CAM_JSON ...
+      MODEL.BRAIXDET.INIT_FROM_CLASSIFIER out/mvccl/model_export.pth SSL.CAM_JSON ...
   ... --eval-only MODEL.WEIGHTS out/braixdet/model_export.pth  (evaluates the teacher)
   ... --resume                                                  (continues where it stopped)
 

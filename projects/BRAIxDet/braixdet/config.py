@@ -103,8 +103,9 @@ def _add_dataset_config(cfg):
     # schedule: refused before training unless this is True (then the last model is exported)
     d.ALLOW_LESION_FREE_VAL = False
     # detection test set (data/protocols.py): "paper" = the fully annotated cancer images only
-    # (paper §4.1; configs/Base-*.yaml); "full" = every fully annotated test image, lesion-free
-    # ones included; "full+negatives" also scores weak label-0 images as lesion-free
+    # (paper §4.1, for ADMANI; on CBIS-DDSM our extrapolation; configs/Base-*.yaml); "full" =
+    # every fully annotated test image, lesion-free ones included; "full+negatives" also scores
+    # weak label-0 images as lesion-free
     d.TEST_IMAGES = "full"
     d.SPLIT_DIR = ""  # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits
     d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error
@@ -141,6 +142,8 @@ def _add_ssl_config(cfg):
     s.ENABLED = False
     s.LAMBDA_WEAK = 0.25  # λ in ℓ_stu = ℓ_sup + λ ℓ_wek (paper eq. 5)
     s.EMA_ALPHA = 0.999
+    # momentum min(EMA_ALPHA, 1 - 1/(t+2)) after iteration t (Soft Teacher's official ramp)
+    s.EMA_RAMP = False
     s.BN_MODE = "frozen"  # frozen | open | ema
     s.USE_CAM = True  # Algorithm 2: fuse GradCAM boxes with the teacher's early on
     s.CAM_JSON = ""  # output of tools/gradcam_pseudo_labels.py
@@ -153,13 +156,23 @@ def _add_ssl_config(cfg):
     s.NEGATIVE_AS_BACKGROUND = True  # weak label-0 images train as all-background
     s.TEACHER_SCORE_THRESH = 0.0  # minimal score of the teacher's top-1 box
     # competitors (ssl/competitors.py): "top1" = Algorithm 2; "threshold" = every teacher box
-    # with score >= TEACHER_SCORE_THRESH (Unbiased Teacher 0.7, Soft Teacher 0.9)
+    # with score >= TEACHER_SCORE_THRESH (Unbiased Teacher 0.7, STAC 0.9, Soft Teacher 0.5)
     s.PSEUDO_LABELS = "top1"
+    # threshold capped at the image's best teacher score: every image keeps its top box (STAC)
+    s.PSEUDO_KEEP_TOP = False
     s.STRONG_AUG = False  # the student's copy of weak images strongly augmented (UT, ST)
+    # which strong augmentation: "affine" (ours), "stac" (STAC's and Soft Teacher's policy),
+    # "unbiased_teacher" (photometric only)
+    s.STRONG_AUG_POLICY = "affine"
+    # labelled images trained on a strongly augmented copy too (Unbiased Teacher)
+    s.STRONG_AUG_LABELLED = False
     s.UNSUP_LOSSES = []  # loss terms kept on pseudo-labelled images; empty = all
     s.BURN_IN_ITERS = 0  # supervised-only iterations, teacher = student copy (UT burn-in)
     # Soft Teacher (ssl/soft_teacher.py): background-weighted classification, box jittering
     s.SOFT_TEACHER = False
+    # pseudo-boxes (>= this) for the RPN and classification; TEACHER_SCORE_THRESH (0.5) is the
+    # candidate set whose reliable boxes train regression
+    s.SOFT_TEACHER_CLS_THRESH = 0.9
     s.JITTER_TIMES = 10  # jittered copies per pseudo-box
     s.JITTER_SCALE = 0.06  # jitter std as a fraction of the box's side
     s.REG_UNCERTAINTY_THRESH = 0.02  # box regression only below this jitter uncertainty

@@ -2,10 +2,12 @@
 
 Roles, all patient-wise (a patient's images are in one role only):
 - ``test``: the detection test set, from the source's test split, by ``test_images``:
-  ``"paper"``: the fully annotated CANCER images only (paper §4.1: "we remove all non-cancer
-  cases, and all weakly annotated cancer cases"); ``"full"``: every FULLY ANNOTATED image,
-  lesion-free ones included (they add false positives: FPPI denominator); ``"full+negatives"``:
-  also the weak label-0 images as lesion-free. A weak cancer (boxes unknown) is never scored.
+  ``"paper"``: the fully annotated CANCER images only (paper §4.1, for ADMANI: "we remove all
+  non-cancer cases, and all weakly annotated cancer cases"; applying it to CBIS-DDSM, whose
+  benign test images the paper does not say it drops, is our extrapolation); ``"full"``: every
+  FULLY ANNOTATED image, lesion-free ones included (they add false positives: FPPI
+  denominator); ``"full+negatives"``: also the weak label-0 images as lesion-free. A weak
+  cancer (boxes unknown) is never scored.
 - ``test_cls``: every image of the test split with its label (stage-1 classifier evaluation).
 - ``val``: ``val_fraction`` of the training patients (seeded); their fully annotated images only
   (paper: the validation set has no weakly annotated cases: they cannot select a detector). Their
@@ -17,7 +19,10 @@ Roles, all patient-wise (a patient's images are in one role only):
   of the patients whose full images are all lesion-free, so D_s keeps the subset's cancer mix at
   every ratio. Weak copies of full images keep their boxes as ``withheld_annotations``, read only
   to report the quality of pseudo-labels (never by training).
-- "full" protocol: every full image is D_s, the originally weak ones D_w.
+- "full" protocol (the paper's "fully labelled protocol", Tables 3 and 6: "all fully annotated
+  data and extra weakly-labelled data"): every full image is D_s, the originally weak ones D_w.
+- "supervised_only" protocol (the paper's Table 5, "using only the supervised data"): every full
+  image is D_s and D_w is empty; the weak images are used nowhere (not even by stage 1).
 - ``train_all`` = D_s ∪ D_w (stage-1 classifier, labels only).
 
 Determinism: numpy Generators seeded with (seed, purpose) over SORTED patient ids; no Python hash.
@@ -38,7 +43,8 @@ from ..utils.io import atomic_write_json
 logger = logging.getLogger(__name__)
 
 ROLES = ("train_full", "train_weak", "train_all", "val", "test", "test_cls")
-PROTOCOLS = ("partial", "full")
+# partial: Tables 2 and 4; full: Tables 3 and 6; supervised_only: Table 5 (module docstring)
+PROTOCOLS = ("partial", "full", "supervised_only")
 TEST_IMAGES = ("paper", "full", "full+negatives")  # the detection test set (module docstring)
 
 
@@ -51,9 +57,9 @@ def parse_ratio(ratio):
 
 
 def ratio_tag(protocol, ratio):
-    """'r1_8' for 1/8, 'r3_4', ...; 'full' for the fully labelled protocol."""
-    if protocol == "full":
-        return "full"
+    """'r1_8' for 1/8, 'r3_4', ...; the protocol's name for the two without a ratio."""
+    if protocol != "partial":
+        return protocol
     r = parse_ratio(ratio)
     return f"r{r.numerator}_{r.denominator}"
 
@@ -66,7 +72,7 @@ def _fingerprint(dicts):
 
 def _params(dicts, protocol, ratio, seed, val_fraction, test_images):
     return {"protocol": protocol,
-            "ratio": "1" if protocol == "full" else str(parse_ratio(ratio)),
+            "ratio": "1" if protocol != "partial" else str(parse_ratio(ratio)),
             "seed": int(seed), "val_fraction": float(val_fraction), "test_images": test_images,
             "dataset": _fingerprint(dicts)}
 
@@ -110,7 +116,9 @@ def compute_split(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
     val = [d for d in train if d["patient_id"] in val_patients and _is_full(d)]
     train = [d for d in train if d["patient_id"] not in val_patients]
 
-    if protocol == "full":
+    if protocol == "supervised_only":
+        train = [d for d in train if _is_full(d)]
+    if protocol != "partial":
         full = [d for d in train if _is_full(d)]
     else:
         annotated = {d["patient_id"] for d in train if _is_full(d)}

@@ -55,8 +55,8 @@ class RegistrationSpec:
     root: str  # absolute
     csv: str | None  # exam_csv only; None -> "exams.csv"
     name: str
-    protocol: str  # partial | full
-    ratio: str  # normalised: "1/8" for 0.125 or "1/8"; "1" for the full protocol
+    protocol: str  # partial | full | supervised_only (protocols.PROTOCOLS)
+    ratio: str  # normalised: "1/8" for 0.125 or "1/8"; "1" for the other protocols
     seed: int
     val_fraction: float
     split_dir: str  # absolute, outside the root
@@ -85,8 +85,8 @@ class RegistrationSpec:
         split_dir = os.path.abspath(split_dir or os.path.join("output", "splits"))
         if is_under(split_dir, root):
             raise ValueError(f"split_dir {split_dir} is inside the dataset root (read only)")
-        # ratio_tag (the names) parses the ratio for every protocol but "full"
-        ratio = "1" if protocol == "full" else str(parse_ratio(ratio))
+        # only the partial protocol has a ratio (ratio_tag names the others by protocol)
+        ratio = "1" if protocol != "partial" else str(parse_ratio(ratio))
         return cls(format=fmt, root=root, csv=csv, name=name, protocol=protocol, ratio=ratio,
                    seed=seed, val_fraction=float(val_fraction), split_dir=split_dir,
                    on_bad_input=on_bad_input,

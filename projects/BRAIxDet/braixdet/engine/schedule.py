@@ -2,11 +2,12 @@
 
 An epoch is one pass over the stage's epoch set, per protocol:
 
-* stage 1 (classifier), every protocol: D_s ∪ D_w (DATASETS.TRAIN) at SOLVER.IMS_PER_BATCH;
+* stage 1 (classifier), every protocol: D_s ∪ D_w (DATASETS.TRAIN) at SOLVER.IMS_PER_BATCH
+  (D_w is empty under "supervised_only");
 * stage 2 (every detector row), protocol "partial": D_w (DATASETS.TRAIN_WEAK) at
   DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH;
 * stage 2, protocol "full": D_w likewise when it holds images (the source's weakly annotated
-  cases), else D_s (DATASETS.TRAIN) at SOLVER.IMS_PER_BATCH.
+  cases), else D_s (DATASETS.TRAIN) at SOLVER.IMS_PER_BATCH; "supervised_only": D_s.
 
 Sizing stage 2 by D_w makes the GradCAM fusion window ("the first 2 of 20 epochs") 2/20 of the
 training and lets the supervised baselines, which read no D_w, train the same number of

@@ -39,12 +39,12 @@ from ..data.build import (
 from ..evaluation import build_evaluator
 from ..ssl.cam_boxes import cam_boxes_in_input_frame, load_cam_boxes
 from ..ssl.competitors import (
-    StrongAugment,
+    build_strong_augment,
     keep_loss_terms,
     strong_augment,
     threshold_pseudo_targets,
 )
-from ..ssl.ema import apply_bn_mode, build_teacher, ema_update, unwrap
+from ..ssl.ema import apply_bn_mode, build_teacher, ema_momentum, ema_update, unwrap
 from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
 from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
 from .checkpoint import AtomicCheckpointer, safe_torch_load
@@ -194,7 +194,13 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
             raise ValueError(f"SSL.PSEUDO_LABELS must be top1 or threshold, got "
                              f"{s.PSEUDO_LABELS!r}")
         self.pseudo_mode = s.PSEUDO_LABELS
-        self.strong_aug = StrongAugment() if s.STRONG_AUG else None
+        self.strong_aug = build_strong_augment(s.STRONG_AUG_POLICY) if s.STRONG_AUG else None
+        if s.STRONG_AUG_LABELLED and not s.STRONG_AUG:
+            raise ValueError("SSL.STRONG_AUG_LABELLED needs SSL.STRONG_AUG True")
+        self.strong_labelled = bool(s.STRONG_AUG_LABELLED)
+        self.keep_top = bool(s.PSEUDO_KEEP_TOP)
+        self.ema_ramp = bool(s.EMA_RAMP)
+        self.cls_thresh = float(s.SOFT_TEACHER_CLS_THRESH)
         self.unsup_losses = tuple(s.UNSUP_LOSSES)
         self.burn_in_iters = int(s.BURN_IN_ITERS)
         self.soft_teacher = s.SOFT_TEACHER
@@ -206,7 +212,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         with torch.no_grad(), self.precision.autocast():
             teacher_out = self.teacher.inference(weak, do_postprocess=False)
         if self.pseudo_mode == "threshold":  # the competitors' multi-box pseudo-labels
-            return threshold_pseudo_targets(teacher_out, weak, self.score_thresh), False
+            return threshold_pseudo_targets(teacher_out, weak, self.score_thresh,
+                                            keep_top=self.keep_top), False
         cam_active = self.use_cam and self.iter < self.fusion_iters
         cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
         targets = make_pseudo_targets(
@@ -221,6 +228,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         weak, t_weak = self.next_batch(self._weak_iter)
         seed_iteration(self.seed, self.iter)  # after the batches (see BRAIxStepTrainer)
         burn_in = self.iter < self.burn_in_iters
+        if self.strong_labelled:  # Unbiased Teacher: labelled images as weak AND strong copies
+            full = list(full) + [strong_augment(x, self.strong_aug) for x in full]
         weak_batch, cam_active = [], False
         if not burn_in:
             targets, cam_active = self.pseudo_targets(weak)
@@ -241,7 +250,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
                 # Through the unwrapped student: one DDP forward per backward; the weak
                 # graph's gradients still reach every parameter's all-reduce hook.
                 if self.soft_teacher:
-                    weak_losses = soft_teacher_losses(self.model, self.teacher, weak_batch)
+                    weak_losses = soft_teacher_losses(self.model, self.teacher, weak_batch,
+                                                      self.cls_thresh)
                 else:
                     weak_losses = unwrap(self.model)(weak_batch)
                 weak_losses = keep_loss_terms(weak_losses, self.unsup_losses)
@@ -250,8 +260,9 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         self.optimize(loss_dict, t_full + t_weak)
         # burn-in (Unbiased Teacher): the teacher follows the student exactly (alpha 0), so at
         # its end the teacher is a copy of the supervised student
-        ema_update(self.teacher, self.model, alpha=0.0 if burn_in else self.alpha,
-                   bn_mode=self.bn_mode)
+        alpha = 0.0 if burn_in else ema_momentum(self.alpha, self.iter - self.burn_in_iters,
+                                                 self.ema_ramp)
+        ema_update(self.teacher, self.model, alpha=alpha, bn_mode=self.bn_mode)
 
         if comm.is_main_process():
             storage = get_event_storage()

@@ -61,6 +61,7 @@ def _checks():
     from ..data.datasets import LOADERS
     from ..data.protocols import PROTOCOLS, TEST_IMAGES
     from ..ssl.cam_boxes import METHODS
+    from ..ssl.competitors import STRONG_AUG_POLICIES
     from ..ssl.ema import BN_MODES
 
     return {
@@ -89,6 +90,7 @@ def _checks():
         "SSL.CAM_VIEW_AGREEMENT": _number_in(0, 1, hi_open=True),
         "SSL.LAMBDA_WEAK": _number_in(0, math.inf, hi_open=True),
         "SSL.BN_MODE": _one_of(*BN_MODES),
+        "SSL.STRONG_AUG_POLICY": _one_of(*sorted(STRONG_AUG_POLICIES)),
     }
 
 
@@ -108,8 +110,9 @@ def validate_config(cfg):
     """Raise ConfigValueError for the first value outside its allowed set; returns ``cfg``."""
     for key, (ok, allowed) in _checks().items():
         value = _get(cfg, key)
-        if key == "DATASETS.BRAIXDET.RATIO" and _get(cfg, "DATASETS.BRAIXDET.PROTOCOL") == "full":
-            continue  # the fully labelled protocol ignores the ratio
+        protocol = _get(cfg, "DATASETS.BRAIXDET.PROTOCOL")
+        if key == "DATASETS.BRAIXDET.RATIO" and protocol != "partial":
+            continue  # only the partially labelled protocol reads the ratio
         if value is not _MISSING and not ok(value):
             raise ConfigValueError(key, value, allowed)
     return cfg

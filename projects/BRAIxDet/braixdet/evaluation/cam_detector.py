@@ -1,4 +1,4 @@
-"""The "CAM only" detector of the paper's ablation (Table 5 row 1): Algorithm 1's boxes of every
+"""The "CAM only" detector of the paper's ablation (Table 6 row 1): Algorithm 1's boxes of every
 image, scored by the classifier's probability, evaluated as detections; and the pseudo-box
 quality line (tools/gradcam_pseudo_labels.py)."""
 import json

@@ -7,7 +7,7 @@ braixdet.pipeline.train_net`` / ``gradcam_pseudo_labels``; tools/ has the same t
   gradcam                 Algorithm 1 pseudo-boxes of the weak cancers (+ their hit rate)
   one folder per method (METHODS): the detector, its exported model (best on validation) and
                           its test metrics (AP@0.2, FROC)
-Every row of the paper's ablation (Table 5) is a method; stage-1 models are trained once and
+Every row of the paper's ablation (Table 6) is a method; stage-1 models are trained once and
 shared by the rows that need them, as in the paper; a detector starts from its classifier's
 best-on-validation export. A stage is done when its done-marker exists (written last); a
 killed or stopped pipeline re-run continues: finished stages are skipped and training stages
@@ -33,11 +33,15 @@ from .stages import StageFailed, done_marker, is_done, mark_done, read_json, run
 def add_pipeline_arguments(ap, root_required=True):
     """The arguments of one pipeline run (tools/run_pipeline.py; run_experiments/run_demo
     pass theirs through)."""
+    from ..data.protocols import PROTOCOLS
+
     ap.add_argument("--dataset", default="cbis_ddsm",
                     choices=["cbis_ddsm", "vindr_mammo", "exam_csv"])
     ap.add_argument("--root", required=root_required, help="dataset root (read only)")
     ap.add_argument("--csv", default="", help="exam_csv: the CSV file")
-    ap.add_argument("--protocol", default="partial", choices=["partial", "full"])
+    # partial: paper Tables 2/4; full: Tables 3/6 (all boxes + the weak images); supervised_only:
+    # Table 5 (all boxes, no weak image)
+    ap.add_argument("--protocol", default="partial", choices=list(PROTOCOLS))
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="output/pipeline")
@@ -302,12 +306,12 @@ class Pipeline:
         uses_cam = any(METHODS[k].cam for k in keys)
         if CAM_ONLY in a.methods or uses_cam:
             needed.add("mvccl")
-        self.no_weak = a.protocol == "full" and not self.has_weak_images()
+        self.no_weak = a.protocol != "partial" and not self.has_weak_images()
         if self.no_weak and uses_cam:
             # our choice: without weak images there is nothing to pseudo-label; the SSL rows
             # train as their supervised detectors on every box (the paper's "fully labelled")
-            print("=== [gradcam] skipped: the full protocol's D_w holds no image here; SSL rows "
-                  "train as their supervised detectors (SSL.ENABLED False)", flush=True)
+            print(f"=== [gradcam] skipped: the {a.protocol} protocol's D_w holds no image here; "
+                  "SSL rows train as their supervised detectors (SSL.ENABLED False)", flush=True)
             uses_cam = False
         return Plan(stage1=tuple(n for n in STAGE1 if n in needed), gradcam=uses_cam,
                     cam_only=CAM_ONLY in a.methods, detectors=tuple(keys), no_weak=self.no_weak)

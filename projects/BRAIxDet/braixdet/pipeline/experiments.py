@@ -19,7 +19,7 @@ from ..utils.io import atomic_write_bytes, atomic_write_json
 from .core import Pipeline, add_pipeline_arguments
 from .results import paper_table
 
-# the rows of the paper's Table 5
+# the rows of the paper's Table 6
 DEFAULT_METHODS = ["cam_only", "faster_rcnn", "faster_rcnn_mv", "ssl_single_view",
                    "mean_teacher", "braixdet"]
 NOT_RANKED = ("Rows whose means differ by less than their seed spread (std) are not ranked: "

@@ -1,4 +1,4 @@
-"""The rows a pipeline run can produce (paper Table 5 and the competitors), one entry each.
+"""The rows a pipeline run can produce (paper Table 6 and the competitors), one entry each.
 
 Adding a method is adding an entry to ``METHODS``: the pipeline trains the stage-1 model it
 starts from (``init``), the GradCAM pseudo-boxes when ``cam`` is set, and first the method named
@@ -35,7 +35,7 @@ class Method:
             raise ValueError(f"{self.label}: teacher_from and teacher_key go together")
 
 
-# paper Table 5 rows; "cam_only" (row 1) scores the GradCAM boxes themselves
+# paper Table 6 rows; "cam_only" (row 1) scores the GradCAM boxes themselves
 METHODS = {
     "faster_rcnn": Method("Faster R-CNN", "baselines/faster_rcnn.yaml",
                           "classifier_single_view"),
@@ -50,7 +50,7 @@ METHODS = {
     "braixdet_view_agreement": Method("BRAIxDet + view agreement", "BRAIxDet/braixdet.yaml",
                                       "mvccl", cam=True,
                                       opts=("SSL.CAM_VIEW_AGREEMENT", str(VIEW_AGREEMENT))),
-    # competitors of the paper's Tables 1-4 (single view, issue 22)
+    # competitors of the paper's Tables 2-4 (single view, issue 22)
     "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
                                "classifier_single_view"),
     "stac": Method("STAC", "baselines/stac.yaml", "classifier_single_view",

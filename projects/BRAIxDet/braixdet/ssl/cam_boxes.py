@@ -18,13 +18,13 @@ Heatmap methods (MODEL.BRAIXDET.CAM.METHOD / TARGET_LAYER):
   again (τ keeps meaning "fraction of the maximum"). Coarse stages see large lesions, fine ones
   small lesions; one forward/backward pass per stage.
 
-View agreement (SSL.CAM_VIEW_AGREEMENT = δ > 0, applied when stage 2 reads the file; our choice
-after the paper's multi-view argument, §3.1): a lesion lies at about the same depth from the
-nipple in CC and MLO. A box of one view is kept only if the other view's heatmap exceeds τ
-somewhere within ±δ of the box centre's depth (depth: distance from the nipple over the breast's
-depth, in the canonical frame, where the chest wall is at x = 0 and the nipple is the breast's
-right-most column). The file stores each box's depth and each map's depth profile for it.
-Images whose other view is missing or not labelled keep their boxes.
+View agreement (SSL.CAM_VIEW_AGREEMENT = δ > 0, applied when stage 2 reads the file; our idea:
+the paper's §2.1 avoids nipple-based registration between the views): a lesion lies at about
+the same depth from the nipple in CC and MLO. A box of one view is kept only if the other
+view's heatmap exceeds τ somewhere within ±δ of the box centre's depth (depth: distance from
+the nipple over the breast's depth, in the canonical frame, where the chest wall is at x = 0 and
+the nipple is the breast's right-most column). The file stores each box's depth and each map's
+depth profile for it. Images whose other view is missing or not labelled keep their boxes.
 """
 import hashlib
 import json

@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..utils.modules import unwrap
 
 __all__ = ["BN_MODES", "unwrap", "build_teacher", "apply_bn_mode", "ema_update", "check_bn_mode",
-           "bn_layers_in_train_mode"]
+           "bn_layers_in_train_mode", "ema_momentum"]
 
 BN_MODES = ("frozen", "open", "ema")
 # Buffers of BatchNorm layers that are statistics (the rest of the buffers are constants).
@@ -125,6 +125,16 @@ def ema_update(teacher, student, alpha=0.999, bn_mode="frozen"):
                 t.copy_(s)
         # frozen / open: teacher BN statistics untouched.
     return teacher
+
+
+def ema_momentum(alpha, iteration, ramp=False):
+    """The EMA momentum after the 0-based training ``iteration``: ``alpha``, or with ``ramp``
+    min(alpha, 1 − 1/(iteration + 2)), microsoft/SoftTeacher's MeanTeacher hook with warm_up 0
+    (it updates before its step s = iteration + 1 with min(alpha, 1 − 1/(s + 1))): the teacher
+    starts as the average of the student's first steps, not as a slow copy of the first one."""
+    if not ramp:
+        return alpha
+    return min(alpha, 1.0 - 1.0 / (iteration + 2))
 
 
 def bn_layers_in_train_mode(model: nn.Module):

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Pseudo-label score thresholds of the SSL competitors for one class, on a development set.
+
+  python benchmarks/experiment_pseudo_threshold.py --root out/dev_wide --out out/thresh \
+      --methods unbiased_teacher stac soft_teacher --thresholds 0.5 0.7 0.9 --seeds 0
+
+The official values (Unbiased Teacher 0.7, STAC 0.9, Soft Teacher 0.9 for its RPN/classification
+boxes) were set for an 81-way softmax on COCO; ours has two outputs. For each method, threshold
+and seed: one pipeline run (braixdet/pipeline, demo configs, ratio --ratio) into
+<out>/<method>/t<threshold>/s<seed> with the threshold as a detector override
+(SSL.TEACHER_SCORE_THRESH; Soft Teacher: SSL.SOFT_TEACHER_CLS_THRESH, its 0.5 candidate filter
+lowered with it when the threshold is below 0.5). Stage 1 and STAC's supervised teacher are
+trained once per seed and copied into the other runs of that seed. The threshold is SELECTED on
+validation (the exported model's best validation AP@0.2, never the test set); the test metrics
+of every cell are written beside it. Writes <out>/thresholds.md and thresholds.json. The
+development set is generated under --root when absent (experiment_ratio_grid.py's set B).
+Not part of `make bench` (hours of CPU).
+"""
+import argparse
+import os
+import shutil
+import time
+
+import numpy as np
+from experiment_ratio_grid import make_dev_set
+
+from braixdet.engine.checkpoint import safe_torch_load
+from braixdet.pipeline.core import REPO, Pipeline, add_pipeline_arguments
+from braixdet.pipeline.methods import METHODS, STAGE1
+from braixdet.pipeline.results import METRICS, _flat
+from braixdet.utils.io import atomic_write_json, atomic_write_text
+
+COMPETITORS = ("unbiased_teacher", "stac", "soft_teacher")
+SHARED = (*STAGE1, "faster_rcnn")  # trained once per seed: threshold-independent
+
+
+def threshold_opts(method, t):
+    """The detector overrides that set ``method``'s pseudo-label threshold to ``t``."""
+    if method == "soft_teacher":
+        return ["SSL.SOFT_TEACHER_CLS_THRESH", str(t),
+                "SSL.TEACHER_SCORE_THRESH", str(min(t, 0.5))]
+    return ["SSL.TEACHER_SCORE_THRESH", str(t)]
+
+
+def run_args(a, seed, out, methods, det_opts):
+    h, w = a.size
+    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
+        "--dataset", "cbis_ddsm", "--root", a.root, "--ratio", a.ratio, "--seed", str(seed),
+        "--out", out, "--configs", os.path.join(REPO, "configs", "demo"), "--methods", *methods,
+        "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
+        "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
+        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
+        "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.det_epochs), *det_opts])
+
+
+def share(src, dst):
+    """Copy the finished threshold-independent stages of one run of a seed into another."""
+    for name in SHARED:
+        if os.path.exists(os.path.join(src, name, "stage_done.json")) and \
+                not os.path.exists(os.path.join(dst, name)):
+            shutil.copytree(os.path.join(src, name), os.path.join(dst, name), symlinks=True)
+
+
+def validation_value(run_dir, method):
+    """The exported model's selection value (best validation AP@0.2), or NaN."""
+    path = os.path.join(run_dir, method, "model_export.pth")
+    if not os.path.exists(path):
+        return float("nan")
+    value = safe_torch_load(path).get("selected", {}).get("value")
+    return float("nan") if value is None else float(value)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--methods", nargs="+", default=list(COMPETITORS), choices=COMPETITORS)
+    ap.add_argument("--thresholds", nargs="+", type=float, default=[0.5, 0.7, 0.9])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--ratio", default="1/8")
+    ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
+    ap.add_argument("--stage1-epochs", type=float, default=5.0)
+    ap.add_argument("--det-epochs", type=float, default=3.0)
+    dev = ap.add_argument_group("the development set (generated when --root holds none)")
+    dev.add_argument("--data-seed", type=int, default=1)
+    dev.add_argument("--patients", type=int, default=100)
+    dev.add_argument("--image-size", nargs=2, type=int, default=[512, 416])
+    dev.add_argument("--separation", type=float, default=1.5)
+    dev.add_argument("--size-scale", type=float, default=0.8)
+    dev.add_argument("--size-spread", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    make_dev_set(a)
+    out, t0 = os.path.abspath(a.out), time.time()
+    cells = {}
+    for seed in a.seeds:
+        first = None
+        for method in a.methods:
+            for t in a.thresholds:
+                run_dir = os.path.join(out, method, f"t{t:g}", f"s{seed}")
+                os.makedirs(run_dir, exist_ok=True)
+                if first is not None:
+                    share(first, run_dir)
+                methods = ["faster_rcnn", method] if method == "stac" else [method]
+                print(f"\n##### seed {seed}, {method}, threshold {t:g} "
+                      f"({(time.time() - t0) / 60:.1f} min so far)", flush=True)
+                summary = Pipeline(run_args(a, seed, run_dir, methods,
+                                            threshold_opts(method, t))).run_all()
+                first = first or run_dir
+                test = _flat(summary["results"][METHODS[method].label])
+                cells.setdefault((method, t), []).append({
+                    "val_AP": validation_value(run_dir, method),
+                    **{f"test_{m}": float(test.get(m, float("nan"))) for m in METRICS}})
+    lines = [f"Development set {a.root}; ratio {a.ratio}; seeds {a.seeds}; mean over seeds. "
+             "Selection: the best validation AP@0.2 per method.", "",
+             "| method | threshold | val AP@0.2 | test AP@0.2 | test R@0.5 | selected |",
+             "|---|---|---|---|---|---|"]
+    table = {}
+    for method in a.methods:
+        rows = {t: {k: float(np.nanmean([c[k] for c in cells[(method, t)]]))
+                    for k in ("val_AP", *(f"test_{m}" for m in METRICS))} for t in a.thresholds}
+        vals = {t: r["val_AP"] for t, r in rows.items() if not np.isnan(r["val_AP"])}
+        best = max(vals, key=vals.get) if vals else None
+        table[method] = {"rows": {f"{t:g}": r for t, r in rows.items()}, "selected": best}
+        for t, r in rows.items():
+            lines.append(f"| {method} | {t:g} | {r['val_AP']:.1f} | {r['test_AP20']:.1f} | "
+                         f"{r['test_R@0.5']:.1f} | {'**yes**' if t == best else ''} |")
+    md = "\n".join(lines) + f"\n\n{(time.time() - t0) / 60:.1f} min.\n"
+    atomic_write_text(os.path.join(out, "thresholds.md"), md)
+    atomic_write_json(os.path.join(out, "thresholds.json"), table, indent=1)
+    print("\n" + md)
+
+
+if __name__ == "__main__":
+    main()
