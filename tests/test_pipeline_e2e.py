@@ -234,6 +234,17 @@ def test_predict_same_with_or_without_feature_sharing(predictions):
             db.pop(match[0])
 
 
+def test_predict_exam_keys_link_to_nothing_outside_their_run(predictions):
+    """The same exams in two runs get different keys (a fixed hash of patient and study could
+    be reversed by enumerating PatientIDs); inside one run each exam has its own key."""
+    keys = {mode: [(e["exam"], e["key"]) for e in pred["exams"]]
+            for mode, (_, pred) in predictions.items()}
+    shared, per_pair = keys["shared"], keys["per_pair"]
+    assert [n for n, _ in shared] == [n for n, _ in per_pair] and len(shared) >= 2
+    assert len({k for _, k in shared}) == len(shared)
+    assert not {k for _, k in shared} & {k for _, k in per_pair}
+
+
 def test_predict_output_is_identifier_free_and_in_original_pixels(predictions, pipeline_run):
     dest, pred = predictions["shared"]
     needles = _identifiers(pipeline_run["summary"])

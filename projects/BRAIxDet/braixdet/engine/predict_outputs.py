@@ -6,7 +6,8 @@ output folder (one run per folder: ``acquire_output_lock``):
 * ``predictions.json`` (``--format json|both``): {"images": [per input file: record_id (the
   SOPInstanceUID, ``_dup<n>`` for a repeated UID), sop_instance_uid, exam (index), laterality,
   view, aux_missing, height, width, detections [{box_xyxy (original pixels), score}]],
-  "exams": [{exam, key (pseudonym), score, breasts {"L"/"R": score}, records}], "report":
+  "exams": [{exam, key (a pseudonym valid in this run only), score, breasts {"L"/"R": score},
+  records}], "report":
   counts}. Scores: ``evaluation/exam_scores.py`` (max detection score). No patient identifier,
   no path.
 * ``sr/exam_<k>.dcm`` (``--format sr|both``): one TID 1500 Comprehensive SR per exam, and
@@ -32,9 +33,11 @@ deleted. Default ``formats`` = json (our choice: the SR is opt-in, since it carr
 identity and highdicom builds ~100 findings/s, slow at low thresholds).
 """
 import contextlib
+import hmac
 import io
 import logging
 import os
+import secrets
 import signal
 import threading
 import warnings
@@ -325,6 +328,11 @@ def _predict(cfg, weights, inputs, outputs, report, formats, pseudonyms, *, scor
     allow_fp = cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING
     overrides = load_views_csv(views_csv, report) if views_csv else None
     records, exams_out = [], []
+    # Exam.key is a public-salt hash of (patient, study or date): a PatientID could be found
+    # from it by enumeration. predictions.json gets it keyed by a secret of this run only, so
+    # its keys tell this run's exams apart and link to nothing outside it.
+    secret = secrets.token_bytes(32)
+    run_key = lambda k: hmac.new(secret, k.encode("utf-8"), "sha256").hexdigest()[:16]
     with ExamPredictor(cfg, weights, share_features=share_features,
                        num_workers=num_workers) as predictor:
         exams = predictor.exams(inputs, report, overrides=overrides)
@@ -334,7 +342,7 @@ def _predict(cfg, weights, inputs, outputs, report, formats, pseudonyms, *, scor
             breasts, exam_scores = breast_exam_scores(
                 (exam_no, p.meta.laterality, image_score(p.scores)) for p in preds)
             breast_scores = {lat: s for (_, lat), s in breasts.items()}
-            exams_out.append({"exam": exam_no, "key": exam.key,
+            exams_out.append({"exam": exam_no, "key": run_key(exam.key),
                               "score": round(exam_scores[exam_no], 5),
                               "breasts": {k: round(v, 5) for k, v in breast_scores.items()},
                               "records": [p.record_id for p in preds]})

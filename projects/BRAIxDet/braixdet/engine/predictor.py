@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
