@@ -135,3 +135,28 @@ def test_random_source_inside_the_breast_and_reproducible(weak):
         # not the truth: no random box coincides with a true box
         iou = match_counts(boxes, weak.truth[d["file_name"]], iou_thresh=0.99)
         assert iou[0] == 0
+
+
+def test_oracle_rows_and_refused_settings(weak):
+    """The pipeline rows set the source on the paper's BRAIxDet config; settings that would do
+    nothing with a non-GradCAM source are refused with one line."""
+    from braixdet.engine.setup import build_cfg
+    from braixdet.pipeline.methods import METHODS
+    from braixdet.ssl.box_sources import source_lookup
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for key, source in (("braixdet_oracle_boxes", "oracle"), ("braixdet_random_boxes", "random")):
+        m = METHODS[key]
+        cfg = build_cfg(os.path.join(repo, "configs", m.config), list(m.opts))
+        assert (cfg.SSL.CAM_BOX_SOURCE, cfg.SSL.CAM_JSON, m.cam) == (source, "", False)
+        if source == "oracle":
+            assert source_lookup(cfg, [], lambda: None, 0) == {}  # no weak cancer, no box
+        else:  # nothing to draw the count and sizes from
+            with pytest.raises(ValueError, match="known boxes"):
+                source_lookup(cfg, [], lambda: None, 0)
+    base = os.path.join(repo, "configs", "demo", "BRAIxDet", "braixdet.yaml")
+    for opts, msg in ((["SSL.CAM_BOX_SOURCE", "truth"], "must be one of"),
+                      (["SSL.CAM_BOX_SOURCE", "oracle", "SSL.CAM_JSON", "x.json"], "GradCAM"),
+                      (["SSL.CAM_BOX_SOURCE", "oracle", "SSL.USE_CAM", "False"], "USE_CAM")):
+        with pytest.raises(ValueError, match=msg):
+            source_lookup(build_cfg(base, opts), weak.dicts, None, 0)
