@@ -25,6 +25,7 @@ from typing import Dict
 import cv2
 import numpy as np
 
+from ..data.report import BadInputError
 from .cam_boxes import known_lesions, load_cam_boxes
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,17 @@ def _image_rng(seed, image_id):
     return np.random.default_rng([int(seed), digest])
 
 
+def _canonical(cache, d):
+    """(canonical image, transform), or None with a one-line warning (the mapper skips the
+    image in training too)."""
+    try:
+        return cache.get(d["file_name"], d.get("laterality"))
+    except (BadInputError, ValueError) as e:
+        logger.warning("random boxes: skipping %s: %s", d.get("image_id"),
+                       str(e).replace("\n", " "))
+        return None
+
+
 def random_box_lookup(weak_dicts, cache, seed) -> Dict[str, dict]:
     """The ``random`` source for every weak label-1 image (see the module docstring).
 
@@ -101,25 +113,29 @@ def random_box_lookup(weak_dicts, cache, seed) -> Dict[str, dict]:
     if not truth:
         raise ValueError("SSL.CAM_BOX_SOURCE random: no weak cancer of D_w has known boxes to "
                          "draw the count and sizes from")
-    canon = {}
-    for d in weak_dicts:
-        if int(d["label"]) == 1:
-            canon[str(d["image_id"])] = cache.get(d["file_name"], d.get("laterality"))
+    cancers = [d for d in weak_dicts if int(d["label"]) == 1]
     counts, sizes = [], []
-    for image_id, entry in truth.items():
-        boxes = canon[image_id][1].apply_box(np.asarray(entry["boxes"], np.float64))
-        counts.append(len(boxes))
-        sizes += [(x1 - x0, y1 - y0) for x0, y0, x1, y1 in boxes]
+    for d in cancers:  # pass 1: the true boxes' sizes in the canonical frame
+        entry = truth.get(str(d["image_id"]))
+        canonical = _canonical(cache, d) if entry else None
+        if canonical is not None:
+            boxes = canonical[1].apply_box(np.asarray(entry["boxes"], np.float64))
+            counts.append(len(boxes))
+            sizes += [(x1 - x0, y1 - y0) for x0, y0, x1, y1 in boxes]
     counts, sizes = np.asarray(counts), np.asarray(sizes)
     out = {}
-    for image_id, (img, tfm) in canon.items():
-        rng = _image_rng(seed, image_id)
+    for d in cancers:  # pass 2, one image in memory at a time
+        canonical = _canonical(cache, d)
+        if canonical is None:
+            continue
+        img, tfm = canonical
+        rng = _image_rng(seed, d["image_id"])
         n = int(counts[rng.integers(len(counts))])
         drawn = sizes[rng.integers(len(sizes), size=n)]
         boxes = place_random_boxes(breast_region(img), drawn, rng)
         if len(boxes):
             boxes = tfm.inverse().apply_box(boxes)
-        out[image_id] = {"boxes": boxes.tolist(), "scores": [1.0] * len(boxes)}
+        out[str(d["image_id"])] = {"boxes": boxes.tolist(), "scores": [1.0] * len(boxes)}
     return out
 
 
