@@ -3,6 +3,7 @@
 Stage 1 (BRAIxMVCCL) runs through tools/train_net.py; stage 2 (student-teacher BRAIxDet) and
 the supervised baseline run in-process (build_cfg -> register -> Trainer), which is faster.
 """
+import json
 import math
 import os
 import types
@@ -19,6 +20,7 @@ from _train_helpers import (
     weak_cam_json,
 )
 from detectron2.checkpoint import DetectionCheckpointer
+from detectron2.data import DatasetCatalog
 from detectron2.engine.train_loop import HookBase
 from detectron2.modeling import build_model
 
@@ -155,7 +157,9 @@ def _float_params(model):
 @pytest.fixture(scope="module")
 def ssl_run(work, stage1):
     """BRAIxDet SSL in-process: N_ITER iterations from the stage-1 checkpoint, with a
-    hand-written CAM JSON and CAM fusion during the first CAM_ITERS iterations."""
+    hand-written CAM JSON and CAM fusion during the first CAM_ITERS iterations, logging the
+    pseudo-label quality (SSL.PSEUDO_QUALITY; the resumed run of test_stage2_ssl_exact_resume
+    shows it changes no weight)."""
     from _train_helpers import CONFIGS
 
     from braixdet.engine.setup import build_cfg, register_and_assign_datasets
@@ -168,7 +172,7 @@ def ssl_run(work, stage1):
     opts = _opts(work, work.dir / "ssl", "braixdet", max_iter=N_ITER, ckpt_period=HALF,
                  init_from=stage1.ckpt, cam_json=cam, cam_iters=CAM_ITERS,
                  extra=["TEST.BRAIXDET.EVAL_STUDENT", "False"])
-    t = build_trainer("braixdet", opts)
+    t = build_trainer("braixdet", [*opts, "SSL.PSEUDO_QUALITY", "True"])
     init = {"teacher": {k: v.clone() for k, v in t.teacher.state_dict().items()},
             "student": {k: v.clone() for k, v in unwrap(t.model).state_dict().items()}}
     rec = Recorder()
@@ -207,6 +211,54 @@ def test_cam_view_agreement_filters_the_boxes_stage2_reads(work, stage1):
     assert lookups[0.1] == expected and counts["dropped"] > 0
 
 
+def test_cam_box_sources_reach_algorithm2(work, stage1, synthetic_root):
+    """SSL.CAM_BOX_SOURCE: "oracle" fuses exactly the generator's true boxes of D_w's cancers,
+    and against the truth (SSL.PSEUDO_QUALITY) they score precision = recall = 1 in the input
+    frame; "gradcam" fuses the file's boxes only: neither they nor the weak batches the teacher
+    labels carry a true box (the truth stays in the quality scalars' own lookup)."""
+    from braixdet.ssl.box_sources import true_box_lookup
+    from braixdet.ssl.pseudo_quality import match_counts
+
+    probe = build_cfg_registered(work, "probe_src")
+    cam = weak_cam_json(work.dir / "cam_src.json", probe.DATASETS.TRAIN_WEAK[0])
+    truth = {os.path.join(synthetic_root.root, t["path"]):
+             [les["bbox"] for les in t["lesions"] if les["malignant"]]
+             for t in synthetic_root.summary["truth"]}
+    steps = {}
+    for source in ("oracle", "gradcam"):
+        opts = _opts(work, work.dir / f"src_{source}", "braixdet", max_iter=1,
+                     init_from=stage1.ckpt, cam_json=cam if source == "gradcam" else "",
+                     extra=["SSL.CAM_BOX_SOURCE", source, "SSL.PSEUDO_QUALITY", "True"])
+        steps[source] = build_trainer("braixdet", opts)._trainer
+    oracle, gradcam = steps["oracle"], steps["gradcam"]
+    weak = DatasetCatalog.get(probe.DATASETS.TRAIN_WEAK[0])
+    cancers = {str(d["image_id"]): d["file_name"] for d in weak if d["label"] == 1}
+    assert {k: v["boxes"] for k, v in oracle.cam_lookup.items()} == \
+        {k: truth[f] for k, f in cancers.items()}
+    assert gradcam.cam_lookup == json.loads(cam.read_text())["images"]
+    assert gradcam.truth_lookup == oracle.truth_lookup == true_box_lookup(weak)
+    for image_id, entry in gradcam.cam_lookup.items():
+        assert match_counts(entry["boxes"], truth[cancers[image_id]], iou_thresh=0.99)[0] == 0
+    for _ in range(8):  # weak batches until one holds a weak cancer
+        batch = next(gradcam._weak_iter)
+        assert not any("instances" in x or "withheld_annotations" in x for x in batch)
+        oracle.pseudo_targets(batch)
+        s = oracle.quality.scalars()
+        if "ssl/quality/cam_recall" in s:
+            break
+    assert s["ssl/quality/cam_precision"] == s["ssl/quality/cam_recall"] == 1.0, s
+
+
+def build_cfg_registered(work, name):
+    from _train_helpers import CONFIGS
+
+    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+
+    cfg = build_cfg(CONFIGS["braixdet"], _opts(work, work.dir / name, "braixdet"))
+    register_and_assign_datasets(cfg)
+    return cfg
+
+
 def test_stage2_init_from_classifier(ssl_run, stage1):
     cls = load_ckpt(stage1.ckpt)["model"]
     enc = [k for k in cls if k.startswith("bottom_up.encoder.") and cls[k].is_floating_point()]
@@ -227,6 +279,29 @@ def test_stage2_ssl_weak_losses_and_cam_phase(ssl_run):
         assert scalars["ssl/cam_fusion"] == float(it < CAM_ITERS), (it, scalars)
     # top-1 pseudo-labels: the teacher's best box on every malignant weak image
     assert sum(s["ssl/pseudo_boxes"] for s in rec.values()) > 0
+
+
+def test_stage2_pseudo_quality_scalars(ssl_run):
+    """SSL.PSEUDO_QUALITY: precision/recall per source in EventStorage, in [0, 1]. No hand-written
+    CAM box (each image's central quarter) covers a lesion at IoU >= 0.2 (checked in original
+    pixels; IoU does not change under the shared crop/flip/resize), so the CAM source's precision
+    and recall are exactly 0."""
+    from detectron2.data import DatasetCatalog
+
+    from braixdet.ssl.box_sources import true_box_lookup
+    from braixdet.ssl.pseudo_quality import match_counts
+
+    rec = ssl_run.rec.scalars
+    keys = {k for s in rec.values() for k in s if k.startswith("ssl/quality/")}
+    assert {f"ssl/quality/{src}_recall" for src in ("teacher", "cam", "fused")} <= keys, keys
+    for s in rec.values():
+        assert all(0.0 <= v <= 1.0 for k, v in s.items() if k.startswith("ssl/quality/")), s
+    truth = true_box_lookup(DatasetCatalog.get(ssl_run.trainer.cfg.DATASETS.TRAIN_WEAK[0]))
+    cam = json.loads(ssl_run.cam.read_text())["images"]
+    assert sum(match_counts(cam[i]["boxes"], t["boxes"])[0] for i, t in truth.items()) == 0
+    for s in rec.values():
+        assert s.get("ssl/quality/cam_precision", 0.0) == s.get("ssl/quality/cam_recall", 0.0) \
+            == 0.0
 
 
 def test_stage2_teacher_is_ema_of_student(ssl_run):

@@ -147,6 +147,13 @@ def _add_ssl_config(cfg):
     s.BN_MODE = "frozen"  # frozen | open | ema
     s.USE_CAM = True  # Algorithm 2: fuse GradCAM boxes with the teacher's early on
     s.CAM_JSON = ""  # output of tools/gradcam_pseudo_labels.py
+    # the boxes Algorithm 2 fuses (ssl/box_sources.py): "gradcam" = CAM_JSON (the paper);
+    # "oracle" = D_w's true cancer boxes (upper bound); "random" = boxes at random inside the
+    # breast with the true boxes' count and sizes, seeded by SEED (lower bound)
+    s.CAM_BOX_SOURCE = "gradcam"
+    # log precision/recall of D_w's teacher, CAM-source and fused pseudo-boxes against the
+    # boxes the protocol withheld (ssl/pseudo_quality.py); logging only, never training
+    s.PSEUDO_QUALITY = False
     # View agreement (our choice; 0 = off, the paper): keep a CAM box only if the other view's
     # map exceeds τ within ± this fraction of the breast's depth from the nipple (cam_boxes.py)
     s.CAM_VIEW_AGREEMENT = 0.0

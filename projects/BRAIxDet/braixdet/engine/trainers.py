@@ -26,6 +26,7 @@ from detectron2.evaluation import inference_on_dataset, print_csv_format
 from detectron2.modeling import build_model
 from detectron2.solver import build_lr_scheduler
 from detectron2.solver.build import get_default_optimizer_params, maybe_add_gradient_clipping
+from detectron2.structures import Boxes
 from detectron2.utils import comm
 from detectron2.utils.events import get_event_storage
 
@@ -36,8 +37,10 @@ from ..data.build import (
     train_seed,
     two_stream_names,
 )
+from ..data.mapper import MultiViewDatasetMapper
 from ..evaluation import build_evaluator
-from ..ssl.cam_boxes import cam_boxes_in_input_frame, load_cam_boxes
+from ..ssl.box_sources import source_lookup, true_box_lookup
+from ..ssl.cam_boxes import cam_boxes_in_input_frame
 from ..ssl.competitors import (
     build_strong_augment,
     keep_loss_terms,
@@ -45,7 +48,13 @@ from ..ssl.competitors import (
     threshold_pseudo_targets,
 )
 from ..ssl.ema import apply_bn_mode, build_teacher, ema_momentum, ema_update, unwrap
-from ..ssl.pseudo_labels import fusion_iters_from_cfg, make_pseudo_targets
+from ..ssl.pseudo_labels import (
+    fusion_iters_from_cfg,
+    make_pseudo_targets,
+    teacher_instances,
+    teacher_top1,
+)
+from ..ssl.pseudo_quality import QualityWindow
 from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
 from .checkpoint import AtomicCheckpointer, safe_torch_load
 from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
@@ -176,7 +185,7 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
     """One student-teacher step (paper eq. 5, Algorithm 2): ℓ_sup + λ ℓ_wek, then EMA."""
 
     def __init__(self, model, teacher, full_loader, weak_loader, optimizer, cfg, cam_lookup,
-                 fusion_iters, precision=Precision()):
+                 fusion_iters, precision=Precision(), truth_lookup=None):
         super().__init__(model, full_loader, optimizer, seed=train_seed(cfg),
                          precision=precision,
                          check_finite=cfg.SOLVER.BRAIXDET.CHECK_FINITE)
@@ -205,6 +214,10 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         self.burn_in_iters = int(s.BURN_IN_ITERS)
         self.soft_teacher = s.SOFT_TEACHER
         self.jitter = (s.JITTER_TIMES, s.JITTER_SCALE, s.REG_UNCERTAINTY_THRESH)
+        # SSL.PSEUDO_QUALITY: D_w's truth, read by record_quality only (logging, never targets)
+        self.truth_lookup = truth_lookup or {}
+        self.quality = QualityWindow(iou_thresh=cfg.TEST.BRAIXDET.IOU_THRESH) \
+            if self.truth_lookup else None
 
     def pseudo_targets(self, weak):
         """Algorithm 2 on a weak batch: the teacher's top box, fused with the GradCAM boxes
@@ -212,15 +225,43 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         with torch.no_grad(), self.precision.autocast():
             teacher_out = self.teacher.inference(weak, do_postprocess=False)
         if self.pseudo_mode == "threshold":  # the competitors' multi-box pseudo-labels
-            return threshold_pseudo_targets(teacher_out, weak, self.score_thresh,
-                                            keep_top=self.keep_top), False
-        cam_active = self.use_cam and self.iter < self.fusion_iters
-        cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
-        targets = make_pseudo_targets(
-            teacher_out, weak, cam, use_cam=cam_active,
-            negative_as_background=self.negative_as_background,
-            nms_thresh=self.nms_thresh, score_thresh=self.score_thresh)
+            targets = threshold_pseudo_targets(teacher_out, weak, self.score_thresh,
+                                               keep_top=self.keep_top)
+            cam_active = False
+        else:
+            cam_active = self.use_cam and self.iter < self.fusion_iters
+            cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if cam_active else {}
+            targets = make_pseudo_targets(
+                teacher_out, weak, cam, use_cam=cam_active,
+                negative_as_background=self.negative_as_background,
+                nms_thresh=self.nms_thresh, score_thresh=self.score_thresh)
+        if self.quality is not None:
+            self.record_quality(teacher_out, weak, targets)
         return targets, cam_active
+
+    def record_quality(self, teacher_out, weak, targets):
+        """SSL.PSEUDO_QUALITY: this batch's teacher, CAM-source and fused boxes against the
+        truth, all in the batch's input frame (ssl/pseudo_quality.py)."""
+        truth = cam_boxes_in_input_frame(weak, self.truth_lookup)
+        cam = cam_boxes_in_input_frame(weak, self.cam_lookup) if self.cam_lookup else None
+        empty = torch.zeros(0, 4)
+        sources = {"teacher": [], "fused": [], **({"cam": []} if cam is not None else {})}
+        truths = []
+        for w, out, t in zip(weak, teacher_out, targets):
+            image_id = str(w["image_id"])
+            if image_id not in truth:
+                continue
+            gt = Boxes(truth[image_id][0])
+            gt.clip(tuple(w["image"].shape[-2:]))
+            truths.append(gt.tensor)
+            fused = t.gt_boxes.tensor.cpu() if t is not None else empty
+            sources["fused"].append(fused)
+            sources["teacher"].append(
+                teacher_top1(teacher_instances(out), self.score_thresh)[0].cpu()
+                if self.pseudo_mode == "top1" else fused)
+            if cam is not None:
+                sources["cam"].append(cam.get(image_id, (empty,))[0])
+        self.quality.add(sources, truths)
 
     def run_step(self):
         assert self.model.training, "[StudentTeacherStepTrainer] model was changed to eval mode!"
@@ -273,6 +314,9 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
                                sum(len(w["instances"]) for w in weak_batch),
                                smoothing_hint=False)
             storage.put_scalar("ssl/cam_fusion", float(cam_active), smoothing_hint=False)
+            if self.quality is not None and not burn_in:
+                for k, v in self.quality.scalars().items():
+                    storage.put_scalar(k, v, smoothing_hint=False)
 
 
 class BRAIxTrainerBase(DefaultTrainer):
@@ -501,17 +545,24 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
             lambda s: build_stream_loader(cfg, "full", full_names, start_iter=s))
         weak = LazyResumableLoader(
             lambda s: build_stream_loader(cfg, "weak", weak_names, start_iter=s))
-        use_cam = cfg.SSL.USE_CAM and cfg.SSL.CAM_JSON
         weak_dicts = [d for n in cfg.DATASETS.TRAIN_WEAK for d in DatasetCatalog.get(n)]
-        cam_lookup = load_cam_boxes(cfg.SSL.CAM_JSON, weak_dicts,
-                                    cfg.SSL.CAM_VIEW_AGREEMENT) if use_cam else {}
+        # Algorithm 2's boxes (SSL.CAM_BOX_SOURCE); only the oracle and random sources read the
+        # truth, and the quality scalars get their own copy (ssl/box_sources.py)
+        cam_lookup = source_lookup(cfg, weak_dicts,
+                                   lambda: MultiViewDatasetMapper(cfg, is_train=True).cache,
+                                   train_seed(cfg))
+        truth_lookup = true_box_lookup(weak_dicts) if cfg.SSL.PSEUDO_QUALITY else {}
+        if cfg.SSL.PSEUDO_QUALITY and not truth_lookup:
+            logger.warning("SSL.PSEUDO_QUALITY: no weak cancer of D_w has known boxes; no "
+                           "quality scalars")
         fusion_iters = fusion_iters_from_cfg(
             num_weak_images=len(weak_dicts),
             weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
             epochs=cfg.SSL.CAM_FUSION_EPOCHS, override_iters=cfg.SSL.CAM_FUSION_ITERS)
         logger.info("Algorithm 2: GradCAM fusion during the first %d iterations", fusion_iters)
         return StudentTeacherStepTrainer(model, self.teacher, full, weak, optimizer, cfg,
-                                         cam_lookup, fusion_iters, Precision.from_cfg(cfg))
+                                         cam_lookup, fusion_iters, Precision.from_cfg(cfg),
+                                         truth_lookup=truth_lookup)
 
     def extra_checkpointables(self):
         return {"teacher": self.teacher}

@@ -50,6 +50,12 @@ METHODS = {
     "braixdet_view_agreement": Method("BRAIxDet + view agreement", "BRAIxDet/braixdet.yaml",
                                       "mvccl", cam=True,
                                       opts=("SSL.CAM_VIEW_AGREEMENT", str(VIEW_AGREEMENT))),
+    # Algorithm 2's bounds (issue 27): the fusion fed with D_w's true cancer boxes (upper) or
+    # with random boxes inside the breast (lower) instead of GradCAM's (ssl/box_sources.py)
+    "braixdet_oracle_boxes": Method("BRAIxDet, oracle boxes", "BRAIxDet/braixdet.yaml", "mvccl",
+                                    opts=("SSL.CAM_BOX_SOURCE", "oracle", "SSL.CAM_JSON", "")),
+    "braixdet_random_boxes": Method("BRAIxDet, random boxes", "BRAIxDet/braixdet.yaml", "mvccl",
+                                    opts=("SSL.CAM_BOX_SOURCE", "random", "SSL.CAM_JSON", "")),
     # competitors of the paper's Tables 2-4 (single view, issue 22)
     "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
                                "classifier_single_view"),

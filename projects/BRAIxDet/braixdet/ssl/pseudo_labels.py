@@ -17,6 +17,7 @@ from torchvision.ops import nms
 
 __all__ = [
     "teacher_top1",
+    "teacher_instances",
     "fuse_teacher_and_cam",
     "make_pseudo_targets",
     "cam_phase_active",
@@ -76,7 +77,7 @@ def _image_size(inp):
     return tuple(int(x) for x in img.shape[-2:])
 
 
-def _teacher_instances(out):
+def teacher_instances(out):
     # GeneralizedRCNN.inference(..., do_postprocess=False) returns Instances; forward returns dicts.
     return out["instances"] if isinstance(out, dict) else out
 
@@ -129,7 +130,7 @@ def make_pseudo_targets(
     targets = []
     for out, inp in zip(teacher_outputs, weak_inputs):
         size = _image_size(inp)
-        inst = _teacher_instances(out)
+        inst = teacher_instances(out)
         device = inst.scores.device if inst is not None and inst.has("scores") else "cpu"
         if int(inp["label"]) == 0:
             stats["negative"] += 1
