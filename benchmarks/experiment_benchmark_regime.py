@@ -95,10 +95,10 @@ def main(argv=None):
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
     ap.add_argument("--det-epochs", type=float, default=3.0,
                     help="epochs of D_w for the 1/8 row")
-    ap.add_argument("--ceiling-epochs", type=float, default=3.0,
+    ap.add_argument("--ceiling-epochs", type=float, default=8.0,
                     help="epochs of the ceiling: passes over every boxed image (the CBIS "
-                         "layout has no weak images, so the full protocol's D_w is empty; "
-                         "3 epochs are about as many iterations as the 1/8 row's)")
+                         "layout has no weak images, so the full protocol's D_w is empty); "
+                         "3 left it rising (docs/RESULTS.md §7), 8 peaked at the 7th")
     a = ap.parse_args(argv)
     out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), out)
