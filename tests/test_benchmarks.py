@@ -37,3 +37,20 @@ def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys):
     assert "|" in text  # printed a table
     if name not in ("benchmark_preprocess", "benchmark_evaluator"):
         assert out.read_text().strip()
+
+
+def test_benchmark_regime_criteria_and_settings(monkeypatch, tmp_path):
+    """The criteria of docs/RESULTS.md §10 at their edges, and --set refused for unknown keys
+    (the experiment itself is hours of CPU: not run here)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    from experiment_benchmark_regime import check, make_regime, parse_sets
+
+    assert check(45.0, 60.0)["all_met"]  # gap exactly 15
+    assert not check(45.0, 59.9)["all_met"]
+    assert not check(60.1, 80.0)["all_met"] and not check(34.9, 70.0)["all_met"]
+    assert not check(60.0, 85.1)["all_met"] and check(60.0, 85.0)["all_met"]
+    assert parse_sets(["patients=8", "image_size=(96, 64)"]) == {"patients": 8,
+                                                                  "image_size": (96, 64)}
+    with pytest.raises(SystemExit, match="not a make_synthetic_dataset setting: contrast"):
+        make_regime("benchmark_a", {"contrast": 0.5}, str(tmp_path))
+    assert not os.listdir(tmp_path)  # refused before writing anything

@@ -281,3 +281,118 @@ def test_lesion_size_parameters_keep_draws(kind, lo, hi):
     assert 2 * wide["radius"] / 200 == pytest.approx(centre + 2 * (frac - centre))
     same = lambda les: {k: v for k, v in les.items() if k not in ("radius", "extent")}
     assert same(small) == same(base) == same(wide)  # same random draws whatever the sizes
+
+
+# ---------------------------------------------------------------- harder regimes (issue 27)
+# sha256 of the five CSVs of make_synthetic_dataset(patients=3, image_size=(96, 64), seed=3),
+# computed before the harder-regime options existed: the defaults must not move a lesion, box,
+# label or path (the demo's data; its pixels were compared byte for byte when they were added)
+DEFAULT_CSV_SHA256 = "63c043a1f94a4ff661c4f68de253c60d0001d41e281f6501055a5ac15b6a67eb"
+HARDER = dict(texture_strength=0.05, vessels=2.0, vessel_calc_fraction=0.5,
+              benign_per_breast=1.0)
+
+
+def _csv_digest(root):
+    h = hashlib.sha256()
+    for name in CSV_NAMES + ["exams.csv"]:
+        h.update(open(os.path.join(root, name), "rb").read())
+    return h.hexdigest()
+
+
+def _pixels(root, truth):
+    return {t["path"]: pydicom.dcmread(os.path.join(root, t["path"])).pixel_array
+            for t in truth}
+
+
+def test_defaults_pinned_and_harder_options_keep_planned_lesions(tmp_path):
+    kw = dict(patients=3, image_size=(96, 64), seed=3, progress=False)
+    base = make_synthetic_dataset(str(tmp_path / "base"), **kw)
+    assert _csv_digest(base["root"]) == DEFAULT_CSV_SHA256
+    off = make_synthetic_dataset(str(tmp_path / "off"), texture_strength=0.0, vessels=0.0,
+                                 benign_per_breast=0.0, size_sigma=0.0, contrast_scale=1.0, **kw)
+    assert _digest(off["root"]) == _digest(base["root"])  # options off: byte-identical
+    hard = make_synthetic_dataset(str(tmp_path / "hard"), **HARDER, **kw)
+    assert hard["generator"]["benign_per_breast"] == 1.0
+    # the planned lesions keep their boxes and labels (own generator for the options) ...
+    planned = lambda s: [(t["patient"], t["laterality"], t["view"], t["cancer_label"],
+                          t["annotation"],
+                          [(x["bbox"], x["pathology"]) for x in t["lesions"]][:n])
+                         for t, n in zip(s["truth"], [len(t["lesions"]) for t in base["truth"]])]
+    assert planned(hard) == planned(base)
+    # ... the extra findings are benign, and every image's pixels changed (texture, vessels)
+    extra = [x for t, b in zip(hard["truth"], base["truth"])
+             for x in t["lesions"][len(b["lesions"]):]]
+    assert extra and not any(x["malignant"] for x in extra)
+    a, b = _pixels(base["root"], base["truth"]), _pixels(hard["root"], hard["truth"])
+    assert all(not np.array_equal(x, y) for x, y in zip(a.values(), b.values()))
+
+
+@pytest.mark.parametrize("beta", [2.0, 3.0])
+def test_power_law_texture_spectrum_slope(beta):
+    from synthetic_mammo.render import power_law_noise
+
+    n = power_law_noise(np.random.default_rng(0), (256, 256), beta)
+    assert abs(float(n.mean())) < 1e-4 and float(n.std()) == pytest.approx(1.0, abs=1e-3)
+    power = np.abs(np.fft.fft2(n)) ** 2
+    f = np.hypot(*np.meshgrid(np.fft.fftfreq(256), np.fft.fftfreq(256), indexing="ij"))
+    edges = np.geomspace(2 / 256, 0.45, 16)  # radially averaged spectrum in log-spaced rings
+    idx = np.digitize(f.ravel(), edges)
+    ring_f = [f.ravel()[idx == k].mean() for k in range(1, len(edges))]
+    ring_p = [power.ravel()[idx == k].mean() for k in range(1, len(edges))]
+    slope = np.polyfit(np.log(ring_f), np.log(ring_p), 1)[0]
+    assert slope == pytest.approx(-beta, abs=0.15)
+
+
+def test_vessels_are_long_thin_and_may_carry_calcifications():
+    from synthetic_mammo.render import render_vessels
+
+    rows, cols = 256, 128
+    geo = {"a": 90.0, "cc_b": 100.0, "cc_cy": 128.0}
+    breast = np.ones((rows, cols), bool)
+    for seed in range(3):
+        img = np.zeros((rows, cols), np.float32)
+        dens = render_vessels(np.random.default_rng(seed), img, breast, geo, "CC", 1, 0.0, cols)
+        assert np.array_equal(img, dens) and dens.max() > 0.02
+        pts = np.argwhere(dens > 0.25 * dens.max())
+        length = np.ptp(pts[:, 0]) + np.ptp(pts[:, 1])  # >= the curve's span
+        assert length > 0.5 * cols  # long ...
+        assert len(pts) / length < 0.05 * cols  # ... and thin: area / length ~ its width
+    calc = np.zeros((rows, cols), np.float32)
+    render_vessels(np.random.default_rng(0), calc, breast, geo, "CC", 1, 1.0, cols)
+    plain = render_vessels(np.random.default_rng(0), np.zeros_like(calc), breast, geo, "CC",
+                           1, 0.0, cols)
+    assert calc.max() > plain.max() + 0.05  # bright tram-track dots on the vessel
+
+
+@pytest.mark.parametrize("kind,lo,hi", [("mass", 0.06, 0.11), ("calc", 0.07, 0.13)])
+def test_lognormal_sizes_and_contrast_scale_keep_draws(kind, lo, hi):
+    from synthetic_mammo.plan import sample_lesion
+
+    def draws(n, **kw):
+        rng = np.random.default_rng(1)
+        return [sample_lesion(rng, kind, True, 200, 1.5, **kw) for _ in range(n)]
+
+    base, wide = draws(2000), draws(2000, size_scale=0.8, size_sigma=0.5, contrast_scale=0.5)
+    diam = np.array([2 * w["radius"] / 200 for w in wide])
+    assert np.median(diam) == pytest.approx(0.8 * (lo + hi) / 2, rel=0.05)
+    assert np.log(diam).std() == pytest.approx(0.5, rel=0.08)  # log-normal spread
+    for b, w in zip(base[:50], wide[:50]):
+        assert w["contrast"] == pytest.approx(0.5 * b["contrast"])
+        same = lambda les: {k: v for k, v in les.items()
+                            if k not in ("radius", "extent", "contrast")}
+        assert same(w) == same(b)  # same random draws whatever the options
+
+
+def test_regimes_are_generator_settings():
+    import inspect
+
+    from synthetic_mammo import REGIMES, regime
+
+    known = set(inspect.signature(make_synthetic_dataset).parameters)
+    assert len(REGIMES) >= 2 and all(set(r) <= known for r in REGIMES.values())
+    assert len({r["seed"] for r in REGIMES.values()}) == len(REGIMES)  # not one draw
+    assert regime("benchmark_a", patients=5)["patients"] == 5
+    with pytest.raises(ValueError, match="unknown regime"):
+        regime("nope")
+    with pytest.raises(ValueError, match="not a make_synthetic_dataset setting: contrast$"):
+        regime("benchmark_a", contrast=0.5)

@@ -3,6 +3,8 @@
 Every function draws from the ``rng`` it is given, in a fixed order, so the same seed gives the
 same plan (write.py gives each stage its own seeded generator).
 """
+from statistics import NormalDist
+
 import numpy as np
 
 VIEWS = ("CC", "MLO")
@@ -57,28 +59,39 @@ def breast_geometry(rng, rows, cols):
     }
 
 
-def _resize(frac, lo, hi, size_scale, size_spread):
+def _resize(frac, lo, hi, size_scale, size_spread, size_sigma=0.0):
     """Map a diameter fraction drawn from U(lo, hi): scale around the range's centre, then
     stretch its deviation by ``size_spread`` (our choice, for development sets that are not the
-    demo's). The defaults (1, 1) return ``frac`` unchanged, so the demo's data stay identical."""
+    demo's). The defaults (1, 1) return ``frac`` unchanged, so the demo's data stay identical.
+
+    ``size_sigma`` > 0 instead maps the same draw to a log-normal diameter (median: the range's
+    centre times ``size_scale``, log-std ``size_sigma``): the long-tailed spread of CBIS-DDSM's
+    lesion sizes (many small, a few very large), via the normal quantile of the draw's position.
+    """
+    centre = (lo + hi) / 2
+    if size_sigma > 0:
+        q = min(max((frac - lo) / (hi - lo), 1e-4), 1 - 1e-4)
+        return max(0.01, size_scale * centre * float(np.exp(size_sigma * NormalDist().inv_cdf(q))))
     if size_scale == 1.0 and size_spread == 1.0:
         return frac
-    centre = (lo + hi) / 2
     return max(0.01, size_scale * (centre + size_spread * (frac - centre)))
 
 
-def sample_lesion(rng, kind, malignant, cols, separation=1.0, size_scale=1.0, size_spread=1.0):
+def sample_lesion(rng, kind, malignant, cols, separation=1.0, size_scale=1.0, size_spread=1.0,
+                  size_sigma=0.0, contrast_scale=1.0):
     """Lesion parameters; malignant vs benign differ in distribution, with overlap.
 
     ``separation`` >= 1 pulls the two distributions apart (more spiculated, higher-contrast
     malignant masses, fewer spiculated benign ones, brighter malignant calcifications); 1 is the
-    original overlap. ``size_scale`` / ``size_spread`` change the lesion diameters (see _resize).
+    original overlap. ``size_scale`` / ``size_spread`` / ``size_sigma`` change the lesion
+    diameters (see _resize); ``contrast_scale`` multiplies the contrast (< 1: near visibility).
     Same random draws whatever their values.
     """
     s = float(separation)
     if kind == "mass":
         spiculated = rng.uniform() < (1 - 0.3 / s if malignant else 0.2 / s)
-        diam = _resize(rng.uniform(0.06, 0.11), 0.06, 0.11, size_scale, size_spread) * cols
+        diam = _resize(rng.uniform(0.06, 0.11), 0.06, 0.11, size_scale, size_spread,
+                       size_sigma) * cols
         les = {
             "type": "mass",
             "radius": diam / 2,
@@ -96,8 +109,11 @@ def sample_lesion(rng, kind, malignant, cols, separation=1.0, size_scale=1.0, si
                           str(rng.choice(["CIRCUMSCRIBED", "OBSCURED", "ILL_DEFINED",
                                           "MICROLOBULATED"])))
         les["extent"] = les["radius"] * (1.8 if spiculated else 1 + les["irregularity"])
+        if contrast_scale != 1.0:
+            les["contrast"] *= contrast_scale
         return les
-    diam = _resize(rng.uniform(0.07, 0.13), 0.07, 0.13, size_scale, size_spread) * cols
+    diam = _resize(rng.uniform(0.07, 0.13), 0.07, 0.13, size_scale, size_spread,
+                   size_sigma) * cols
     les = {
         "type": "calc",
         "radius": diam / 2,
@@ -112,17 +128,20 @@ def sample_lesion(rng, kind, malignant, cols, separation=1.0, size_scale=1.0, si
     les["distribution"] = "CLUSTERED" if les["tightness"] < 0.5 else str(
         rng.choice(["CLUSTERED", "SEGMENTAL", "REGIONAL"]))
     les["extent"] = les["radius"] + max(1.0, 0.01 * cols) + 2
+    if contrast_scale != 1.0:
+        les["contrast"] *= contrast_scale
     return les
 
 
-def place_lesions(rng, lesions, geo, allowed, rows, cols):
+def place_lesions(rng, lesions, geo, allowed, rows, cols, occupied=()):
     """Chooses, per lesion, one depth from the nipple and one vertical position per view.
 
     ``allowed[view]`` is the distance map (left frame) of breast minus pectoral muscle; the
-    centre must be ``extent + margin`` inside it in BOTH views, and lesions must not overlap.
+    centre must be ``extent + margin`` inside it in BOTH views, and lesions must not overlap
+    each other nor the already placed ``occupied`` ones. Returns the placed ones of ``lesions``.
     """
     a = geo["a"]
-    placed = []
+    placed = list(occupied)
     for les in lesions:
         for attempt in range(400):
             shrink = 1.0 if attempt < 300 else 0.7
@@ -149,7 +168,7 @@ def place_lesions(rng, lesions, geo, allowed, rows, cols):
                 les["_xy"], les["depth"] = cs, float(depth)
                 placed.append(les)
                 break
-    return placed
+    return placed[len(occupied):]
 
 
 def label_lesions(rng, lesions, malignant):
@@ -168,3 +187,21 @@ def label_lesions(rng, lesions, malignant):
     cancer = any(les["pathology"] == "MALIGNANT" for les in lesions)
     annotation = "full" if (not cancer or rng.uniform() < 1 / 3) else "weak"
     return cancer, annotation
+
+
+def benign_findings(rng, mean, cols, **size):
+    """Extra benign masses / calcification clusters of one breast (Poisson count, mean
+    ``mean``): look-alikes that a detector must not box. Drawn from their own ``rng`` so the
+    breast's planned lesions stay the same; ``size``: sample_lesion's size/contrast keywords."""
+    return [sample_lesion(rng, "mass" if rng.uniform() < 0.5 else "calc", False, cols, **size)
+            for _ in range(int(rng.poisson(mean)))]
+
+
+def label_benign(rng, lesions, first_id):
+    """Ids, pathology, assessment and subtlety of extra benign findings (in place); marks them
+    ``_extra`` (render.render_view draws their pixels from the options' generator)."""
+    for k, les in enumerate(lesions):
+        les["id"], les["_extra"] = first_id + k, True
+        les["pathology"] = str(rng.choice(["BENIGN", "BENIGN_WITHOUT_CALLBACK"]))
+        les["assessment"] = int(rng.choice([2, 3]))
+        les["subtlety"] = int(rng.integers(1, 6))

@@ -16,6 +16,69 @@ def _smooth_noise(rng, shape, sigma):
     return (n - n.mean()) / (n.std() + 1e-6)
 
 
+def power_law_noise(rng, shape, beta):
+    """Zero-mean, unit-std noise whose power spectrum falls as 1/f^beta: the anatomical
+    background of mammograms (beta ~ 3, Burgess et al. 2001), unlike white or Gaussian-blurred
+    noise, which has no structure at every scale. Periodic (FFT synthesis)."""
+    rows, cols = shape
+    fy = np.fft.fftfreq(rows)[:, None]
+    fx = np.fft.rfftfreq(cols)[None, :]
+    f = np.sqrt(fx * fx + fy * fy)
+    f[0, 0] = 1.0
+    amp = f ** (-beta / 2.0)
+    amp[0, 0] = 0.0
+    spec = (rng.standard_normal(amp.shape) + 1j * rng.standard_normal(amp.shape)) * amp
+    n = np.fft.irfft2(spec, s=(rows, cols)).astype(np.float32)
+    return (n - n.mean()) / (n.std() + 1e-6)
+
+
+def _vessel_path(rng, geo, view, rows, cols):
+    """Points of one sinuous vessel (left frame): from the chest wall side towards the nipple,
+    a smooth random walk in direction."""
+    cy = geo["cc_cy"] if view == "CC" else geo["mlo_cy"]
+    b = geo["cc_b"] if view == "CC" else geo["mlo_b"]
+    x, y = float(rng.uniform(0.0, 0.3) * geo["a"]), float(cy + rng.uniform(-0.8, 0.8) * b)
+    ang = float(np.arctan2(cy - y, geo["a"] - x) + rng.normal(0, 0.35))
+    step, pts = max(1.0, 0.02 * cols), []
+    for _ in range(int(rng.integers(25, 60))):
+        pts.append((x, y))
+        ang += float(rng.normal(0, 0.12))
+        x, y = x + step * np.cos(ang), y + step * np.sin(ang)
+    return np.asarray(pts)
+
+
+def render_vessels(rng, img, breast, geo, view, n, calc_fraction, cols):
+    """Adds ``n`` crossing vessels (faint tubes) in place; a ``calc_fraction`` of them carry
+    vascular calcifications (paired "tram-track" dots along a stretch): benign look-alikes of
+    linear calcifications and of mass edges. Returns the vessels' own density (for tests)."""
+    rows = img.shape[0]
+    dens = np.zeros(img.shape, np.float32)
+    for _ in range(n):
+        pts = _vessel_path(rng, geo, view, rows, cols)
+        width = max(1, int(round(rng.uniform(0.008, 0.018) * cols)))
+        tube = np.zeros(img.shape, np.float32)
+        cv2.polylines(tube, [np.round(pts * 16).astype(np.int32)], False, 1.0, width,
+                      cv2.LINE_AA, shift=4)
+        tube = cv2.GaussianBlur(tube, (0, 0), max(0.5, 0.4 * width))
+        dens += tube * float(rng.uniform(0.03, 0.07))
+        if rng.uniform() < calc_fraction:  # tram-track calcification along a stretch
+            k0 = int(rng.integers(0, max(1, len(pts) - 12)))
+            for k in range(k0, min(len(pts) - 1, k0 + int(rng.integers(5, 12)))):
+                (x0, y0), (x1, y1) = pts[k], pts[k + 1]
+                nx, ny = -(y1 - y0), x1 - x0
+                nn = np.hypot(nx, ny) + 1e-6
+                for side in (-1, 1):
+                    if rng.uniform() < 0.4:  # broken tracks, as in the films
+                        continue
+                    cx, cyy = x0 + side * 0.5 * width * nx / nn, y0 + side * 0.5 * width * ny / nn
+                    cv2.circle(dens, (int(round(cx * 16)), int(round(cyy * 16))),
+                               int(round(max(0.6, 0.004 * cols) * 16)),
+                               float(rng.uniform(0.08, 0.2)), -1, cv2.LINE_AA, shift=4)
+    dens *= breast
+    img += dens
+    return dens
+
+
 def breast_masks(geo, view, rows, cols):
     """Breast and pectoral masks in the left-laterality frame (chest wall at x = 0)."""
     yy, xx = np.mgrid[0:rows, 0:cols].astype(np.float32)
@@ -164,16 +227,31 @@ def burn_in_text(img, text, rows, cols, side):
     img[:] = np.maximum(img, canvas.astype(np.float32) / 255.0 * 0.95)
 
 
-def render_view(rng, geo, masks, lesions, *, view, lat, density):
+def render_view(rng, geo, masks, lesions, *, view, lat, density, anatomy=None):
     """One view of one breast in its final frame: (image, ROI masks of ``lesions``, same order).
 
     ``masks`` = breast_masks(geo, view, ...); ``lesions`` carry their per-view centre in
     ``_xy[view]`` (plan.place_lesions). Background: faint detector noise outside the breast.
+    ``anatomy`` (optional, for harder regimes): {"rng": its own generator, so the other draws
+    stay those of the demo, "texture_beta", "texture_strength", "vessels", "vessel_calc_fraction"};
+    None leaves the image exactly as without it.
     """
     breast, pect = masks
     rows, cols = breast.shape
     img, _ = render_tissue(rng, breast, pect, density, geo, view, cols)
-    roi_masks = [render_lesion(rng, img, les, les["_xy"][view], cols) for les in lesions]
+    if anatomy:
+        arng = anatomy["rng"]
+        if anatomy.get("texture_strength", 0) > 0:
+            # power-law texture modulates the tissue (stronger where it is denser)
+            tex = power_law_noise(arng, (rows, cols), anatomy["texture_beta"])
+            img += anatomy["texture_strength"] * tex * breast * (0.5 + img)
+        if anatomy.get("vessels", 0) > 0:
+            n = int(arng.poisson(anatomy["vessels"]))
+            render_vessels(arng, img, breast & ~pect, geo, view, n,
+                           anatomy.get("vessel_calc_fraction", 0.0), cols)
+    # extra findings (plan.benign_findings) draw from the anatomy's generator, as they were planned
+    roi_masks = [render_lesion(anatomy["rng"] if les.get("_extra") else rng, img, les,
+                               les["_xy"][view], cols) for les in lesions]
     img = np.where(breast, img, 0.0)
     bg = 0.03 + 0.012 * rng.standard_normal((rows, cols)).astype(np.float32)
     img = np.where(breast, img, np.clip(bg, 0, None))

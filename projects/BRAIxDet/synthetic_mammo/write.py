@@ -37,7 +37,16 @@ from pydicom.uid import (
     generate_uid,
 )
 
-from .plan import VIEWS, breast_geometry, label_lesions, place_lesions, plan_patients, sample_lesion
+from .plan import (
+    VIEWS,
+    benign_findings,
+    breast_geometry,
+    label_benign,
+    label_lesions,
+    place_lesions,
+    plan_patients,
+    sample_lesion,
+)
 from .render import breast_masks, lesion_room, render_view
 
 MASS_HEADER = [
@@ -150,7 +159,9 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
                            malignant_fraction=0.5, test_fraction=0.25, seed=0,
                            monochrome1_fraction=0.15, jpeg2000_fraction=0.15, progress=True,
                            truth_path=None, swap_fraction=0.1, separation=1.0,
-                           size_scale=1.0, size_spread=1.0):
+                           size_scale=1.0, size_spread=1.0, size_sigma=0.0, contrast_scale=1.0,
+                           texture_beta=3.0, texture_strength=0.0, vessels=0.0,
+                           vessel_calc_fraction=0.0, benign_per_breast=0.0):
     """Generates the dataset under ``out_dir``; returns a summary dict (see module doc).
 
     ``image_size`` = (rows, cols) of the original mammograms. The summary's ``truth`` lists every
@@ -161,6 +172,15 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     ``separation``: how far malignant and benign lesions differ (see plan.sample_lesion).
     ``size_scale`` / ``size_spread``: lesion diameters for development sets (plan._resize);
     the defaults leave the data byte-identical.
+
+    Options for harder regimes (synthetic_mammo/regimes.py; every default leaves the data
+    byte-identical): ``size_sigma`` log-normal lesion diameters (plan._resize),
+    ``contrast_scale`` lesion contrast factor, ``texture_strength`` amplitude of a 1/f^beta
+    anatomical texture (``texture_beta``), ``vessels`` mean number of crossing vessels per view
+    of which ``vessel_calc_fraction`` carry vascular calcifications, ``benign_per_breast`` mean
+    number of extra benign masses / calcification clusters per breast (listed like any lesion).
+    Their draws come from a generator of their own (patient ``i``: ``[seed, 4, i]``), so the
+    planned lesions keep their places and pixels underneath.
     """
     from tqdm import tqdm
 
@@ -173,11 +193,17 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     mono1, j2k, bits = _encoding_quirks(np.random.default_rng([seed, 2]), 4 * patients, rows,
                                         cols, monochrome1_fraction, jpeg2000_fraction)
 
+    size = dict(separation=separation, size_scale=size_scale, size_spread=size_spread,
+                size_sigma=size_sigma, contrast_scale=contrast_scale)
+    anatomy = {"texture_beta": texture_beta, "texture_strength": texture_strength,
+               "vessels": vessels, "vessel_calc_fraction": vessel_calc_fraction}
+    harder = texture_strength > 0 or vessels > 0 or benign_per_breast > 0
     truth, rows_csv, exam_rows = [], {}, []
     swapped = 0
     abn_count = 0
     for pl in tqdm(plan, desc="synthetic patients", disable=not progress):
         prng = np.random.default_rng([seed, 3, pl["index"]])
+        arng = np.random.default_rng([seed, 4, pl["index"]]) if harder else None
         p, split = pl["patient"], pl["split"]
         stage = "Training" if split == "train" else "Test"
         anon = f"anon_{pl['index'] + 1:05d}"
@@ -195,17 +221,22 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
             geo = breast_geometry(prng, rows, cols)
             masks = {v: breast_masks(geo, v, rows, cols) for v in VIEWS}
             allowed = {v: lesion_room(*masks[v]) for v in VIEWS}
-            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, separation,
-                                     size_scale, size_spread)
+            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, **size)
                        for k in range(bp["n"])]
             lesions = place_lesions(prng, lesions, geo, allowed, rows, cols)
+            cancer, annotation = label_lesions(prng, lesions, bp["malignant"])
+            if benign_per_breast > 0:
+                extra = benign_findings(arng, benign_per_breast, cols, **size)
+                extra = place_lesions(arng, extra, geo, allowed, rows, cols, occupied=lesions)
+                label_benign(arng, extra, len(lesions) + 1)
+                lesions = lesions + extra
             kind = lesions[0]["type"] if lesions else "mass"
             prefix = f"{kind.capitalize()}-{stage}"
-            cancer, annotation = label_lesions(prng, lesions, bp["malignant"])
             for view in VIEWS:
                 img_index = pl["index"] * 4 + (0 if lat == "L" else 2) + VIEWS.index(view)
                 img, roi_masks = render_view(prng, geo, masks[view], lesions, view=view,
-                                             lat=lat, density=density)
+                                             lat=lat, density=density,
+                                             anatomy=dict(anatomy, rng=arng) if harder else None)
                 nipple_x = geo["a"] if lat == "L" else cols - 1 - geo["a"]
                 folder = f"{prefix}_{p}_{SIDES[lat]}_{view}"
                 study, series = _uid(seed, folder, "study"), _uid(seed, folder, "series")
@@ -225,11 +256,12 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
                 les_truth = []
                 for les, m in zip(lesions, roi_masks):
                     abn_count += 1
+                    lrng = arng if les.get("_extra") else prng  # keeps prng's draws as planned
                     rfolder = f"{folder}_{les['id']}"
                     rstudy, rseries = _uid(seed, rfolder, "study"), _uid(seed, rfolder, "series")
                     # ~swap_fraction of ROI folders swap mask/crop; the 2nd one always does,
                     # so even tiny datasets exercise the quirk.
-                    swap = bool(prng.uniform() < swap_fraction) or (swap_fraction > 0
+                    swap = bool(lrng.uniform() < swap_fraction) or (swap_fraction > 0
                                                                      and abn_count == 2)
                     rinfo = dict(info, study_uid=rstudy, series_uid=rseries)
                     mask_name, crop_name = ("1-1.dcm", "1-2.dcm") if swap else ("1-2.dcm",
@@ -257,13 +289,13 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
                         "depth": round(abs(nipple_x - cx), 2),
                         "mask_path": f"CBIS-DDSM/{rfolder}/{rstudy}/{rseries}/{mask_name}",
                         "crop_path": f"CBIS-DDSM/{rfolder}/{rstudy}/{rseries}/{crop_name}",
-                        "mask_swapped": swap,
+                        "mask_swapped": swap, "contrast": round(float(les["contrast"]), 4),
                     })
                     swapped += swap
                     csv_img = f"{rel_dir}/000000.dcm"
                     csv_crop = f"{rfolder}/{rstudy}/{rseries}/000000.dcm"
                     csv_mask = f"{rfolder}/{rstudy}/{rseries}/000001.dcm"
-                    q = prng.uniform()  # upstream whitespace quirks in path cells
+                    q = lrng.uniform()  # upstream whitespace quirks in path cells
                     if q < 0.08:
                         csv_mask += "\n"
                     elif q < 0.14:
@@ -297,6 +329,10 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
                 })
     _write_csvs(out_dir, rows_csv, exam_rows)
     summary = _summary(out_dir, seed, rows, cols, truth, rows_csv, abn_count, swapped)
+    # the settings, so that a truth file says which data it describes
+    summary["generator"] = dict(size, **{k: v for k, v in anatomy.items()},
+                                benign_per_breast=benign_per_breast, lesion_rate=lesion_rate,
+                                malignant_fraction=malignant_fraction, patients=patients)
     if truth_path:
         os.makedirs(os.path.dirname(os.path.abspath(truth_path)), exist_ok=True)
         with open(truth_path, "w") as f:
