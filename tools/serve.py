@@ -47,8 +47,9 @@ def _parse(argv):
                     help="seconds without a new instance after which a study is complete")
     ap.add_argument("--workers", type=int, default=1, help="prediction threads (own model each)")
     ap.add_argument("--score-thresh", type=float, default=0.05, help="kept in the SR / GSPS")
-    ap.add_argument("--sr-pseudonymise", action="store_true",
-                    help="research: SRs with a pseudonymised patient module")
+    ap.add_argument("--sr-pseudonymise", metavar="MAP.json", default=None,
+                    help="research: de-identified SR / GSPS (PS3.15 Basic Profile); pseudonyms "
+                         "in MAP.json, yours to keep outside the spool")
     ap.add_argument("--retry-base", type=float, default=5.0, help="first send retry delay, s")
     ap.add_argument("--retry-max", type=float, default=300.0, help="longest send retry delay, s")
     ap.add_argument("--min-free-mb", type=int, default=512,
@@ -78,7 +79,7 @@ def main(argv=None):
         spool=args.spool, ae_title=args.ae_title, host=args.host, port=args.port,
         allow=tuple(args.allow), destination=args.send_to, quiet_period=args.quiet_period,
         workers=args.workers, score_thresh=args.score_thresh,
-        sr_pseudonymise=args.sr_pseudonymise, retry_base=args.retry_base,
+        sr_pseudonym_map=args.sr_pseudonymise, retry_base=args.retry_base,
         retry_max=args.retry_max, min_free_mb=args.min_free_mb,
         server_tls=server_tls_context(args.tls_cert, args.tls_key, args.tls_ca)
         if args.tls_cert else None,

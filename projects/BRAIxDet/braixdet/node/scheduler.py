@@ -21,6 +21,7 @@ Restart (``recover``): a study whose stored instances are not all covered by its
 version is pending again, its quiet period counted from the start; committed versions are never
 predicted again, so nothing is processed twice.
 """
+import contextlib
 import dataclasses
 import io
 import logging
@@ -33,6 +34,7 @@ import pydicom
 from pydicom.uid import generate_uid
 
 from ..data.report import BadInputReport
+from ..evaluation.deidentify import PseudonymMap
 from ..evaluation.exam_scores import breast_exam_scores, image_score
 from ..evaluation.sr import exam_sr, image_presentation_state
 from .scp import ReceivedInstance, instance_view
@@ -65,14 +67,14 @@ class StudyScheduler:
 
     def __init__(self, spool: Spool, status: NodeStatus, predictor_factory: Callable,
                  quiet_period: float = 30.0, workers: int = 1, score_thresh: float = 0.05,
-                 sr_pseudonymise: bool = False,
+                 sr_pseudonym_map: Optional[str] = None,
                  on_committed: Callable[[], None] = lambda: None):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.spool, self.status = spool, status
         self.predictor_factory = predictor_factory
         self.quiet_period, self.workers = float(quiet_period), int(workers)
-        self.score_thresh, self.sr_pseudonymise = float(score_thresh), bool(sr_pseudonymise)
+        self.score_thresh, self.sr_pseudonym_map = float(score_thresh), sr_pseudonym_map
         self.on_committed = on_committed
         self._studies: Dict[str, _Study] = {}
         self._queue = queue.Queue()
@@ -217,25 +219,31 @@ class StudyScheduler:
         report = BadInputReport("node")
         outputs, srs, n_images, n_boxes = {}, [], 0, 0
         exams = predictor.exams(list(files.values()), report)
-        for exam_no, (exam, preds) in enumerate(predictor.predict_exams(exams, report)):
-            if not preds:
-                continue
-            breasts, exam_scores = breast_exam_scores(
-                (0, p.meta.laterality, image_score(p.scores)) for p in preds)
-            sr = exam_sr([{"path": p.meta.path, "laterality": p.meta.laterality,
-                           "boxes": p.boxes, "scores": p.scores} for p in preds],
-                         {lat: s for (_, lat), s in breasts.items()}, exam_scores[0],
-                         score_thresh=self.score_thresh, pseudonymise_patient=self.sr_pseudonymise)
-            _as_version(sr, exam.key, version, previous.get(exam.key))
-            outputs[f"sr_{exam_no}.dcm"] = _encode(sr)
-            srs.append({"exam": exam.key, "sop": str(sr.SOPInstanceUID),
-                        "series": str(sr.SeriesInstanceUID), "study": str(sr.StudyInstanceUID)})
-            for j, p in enumerate(preds):
-                outputs[f"pr_{exam_no}_{j}.dcm"] = _encode(image_presentation_state(
-                    p.meta.path, p.boxes, p.scores, score_thresh=self.score_thresh,
-                    pseudonymise_patient=self.sr_pseudonymise))
-                n_boxes += int((p.scores >= self.score_thresh).sum())
-            n_images += len(preds)
+        with contextlib.ExitStack() as stack:
+            # the user's PseudonymMap (evaluation/deidentify.py), locked while this study's
+            # results are made; none: the SR and GSPS carry the images' own patient module
+            pseudonyms = stack.enter_context(PseudonymMap(self.sr_pseudonym_map, self.spool.root)
+                                             ) if self.sr_pseudonym_map else None
+            for exam_no, (exam, preds) in enumerate(predictor.predict_exams(exams, report)):
+                if not preds:
+                    continue
+                breasts, exam_scores = breast_exam_scores(
+                    (0, p.meta.laterality, image_score(p.scores)) for p in preds)
+                sr = exam_sr([{"path": p.meta.path, "laterality": p.meta.laterality,
+                               "boxes": p.boxes, "scores": p.scores} for p in preds],
+                             {lat: s for (_, lat), s in breasts.items()}, exam_scores[0],
+                             score_thresh=self.score_thresh, pseudonyms=pseudonyms)
+                _as_version(sr, exam.key, version, previous.get(exam.key))
+                outputs[f"sr_{exam_no}.dcm"] = _encode(sr)
+                srs.append({"exam": exam.key, "sop": str(sr.SOPInstanceUID),
+                            "series": str(sr.SeriesInstanceUID),
+                            "study": str(sr.StudyInstanceUID)})
+                for j, p in enumerate(preds):
+                    outputs[f"pr_{exam_no}_{j}.dcm"] = _encode(image_presentation_state(
+                        p.meta.path, p.boxes, p.scores, score_thresh=self.score_thresh,
+                        laterality=p.meta.laterality, pseudonyms=pseudonyms))
+                    n_boxes += int((p.scores >= self.score_thresh).sum())
+                n_images += len(preds)
         self.spool.commit(study, version, outputs, {
             "instances": sorted(files), "images": n_images, "exams": len(srs), "srs": srs,
             "boxes": n_boxes, "bad_inputs": report.num_bad, "counts": dict(report.counts)})

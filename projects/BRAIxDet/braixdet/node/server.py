@@ -36,7 +36,7 @@ class NodeSettings:
     quiet_period: float = 30.0
     workers: int = 1
     score_thresh: float = 0.05
-    sr_pseudonymise: bool = False
+    sr_pseudonym_map: Optional[str] = None  # PseudonymMap file (evaluation/deidentify.py)
     retry_base: float = 5.0
     retry_max: float = 300.0
     min_free_mb: int = 512
@@ -75,7 +75,7 @@ class DicomNode:
                                    tls_hostname=s.destination.host if s.destination else None)
         self.scheduler = StudyScheduler(
             self.spool, self.status, predictor_factory, quiet_period=s.quiet_period,
-            workers=s.workers, score_thresh=s.score_thresh, sr_pseudonymise=s.sr_pseudonymise,
+            workers=s.workers, score_thresh=s.score_thresh, sr_pseudonym_map=s.sr_pseudonym_map,
             on_committed=self.sender.wake)
         self.scp = StoreSCP(s.ae_title, s.host, s.port, self.spool, self.status,
                             self.scheduler.arrived, allow=s.allow, ssl_context=s.server_tls,
