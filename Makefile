@@ -32,7 +32,7 @@ demo: $(STAMP)
 		$(if $(SEEDS),--seeds $(SEEDS),)
 
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --dist loadfile $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest tests -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check projects tools tests benchmarks

@@ -2,8 +2,8 @@
 most random state, its box jitter) is exact. The pipeline-level kill-and-resume of all three
 competitors is measured once in docs/DESIGN.md §7a.3 (minutes, not a test).
 
-~20 s of CPU (four Soft Teacher steps and two final evaluations), over the suite's budget for
-new tests: it runs with ``BRAIXDET_LONG_TESTS=1``."""
+~20 s of CPU (four Soft Teacher steps and two final evaluations); in the default suite since
+it runs on two workers."""
 import os
 
 import _train_helpers as th
@@ -25,8 +25,6 @@ class _StopAfter:
             raise KeyboardInterrupt(f"stop after iteration {self.it}")
 
 
-@pytest.mark.skipif(not os.environ.get("BRAIXDET_LONG_TESTS"),
-                    reason="~20 s of CPU: set BRAIXDET_LONG_TESTS=1")
 def test_soft_teacher_interrupted_and_resumed_equals_straight(synthetic_root, tmp_path,
                                                               monkeypatch):
     """1 iteration (burn-in), interruption after its checkpoint, a fresh trainer with resume,
