@@ -22,10 +22,11 @@ import shutil
 import time
 
 import numpy as np
-from experiment_ratio_grid import make_dev_set
+from experiment_ratio_grid import add_dev_set_arguments, make_dev_set
 
 from braixdet.engine.checkpoint import safe_torch_load
-from braixdet.pipeline.core import REPO, Pipeline, add_pipeline_arguments
+from braixdet.model_zoo import config_root
+from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
 from braixdet.pipeline.methods import METHODS, STAGE1
 from braixdet.pipeline.results import METRICS, _flat
 from braixdet.utils.io import atomic_write_json, atomic_write_text
@@ -46,7 +47,7 @@ def run_args(a, seed, out, methods, det_opts):
     h, w = a.size
     return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
         "--dataset", "cbis_ddsm", "--root", a.root, "--ratio", a.ratio, "--seed", str(seed),
-        "--out", out, "--configs", os.path.join(REPO, "configs", "demo"), "--methods", *methods,
+        "--out", out, "--configs", os.path.join(config_root(), "demo"), "--methods", *methods,
         "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
@@ -81,13 +82,7 @@ def main(argv=None):
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
     ap.add_argument("--det-epochs", type=float, default=3.0)
-    dev = ap.add_argument_group("the development set (generated when --root holds none)")
-    dev.add_argument("--data-seed", type=int, default=1)
-    dev.add_argument("--patients", type=int, default=100)
-    dev.add_argument("--image-size", nargs=2, type=int, default=[512, 416])
-    dev.add_argument("--separation", type=float, default=1.5)
-    dev.add_argument("--size-scale", type=float, default=0.8)
-    dev.add_argument("--size-spread", type=float, default=2.0)
+    add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
     out, t0 = os.path.abspath(a.out), time.time()

@@ -69,6 +69,18 @@ def ratio_table(per_seed, baseline):
     return summarize(values, baseline if baseline in values else next(iter(values)))
 
 
+def add_dev_set_arguments(ap):
+    """The development set's generator settings (development set B of RESULTS §2.1 by default),
+    read by ``make_dev_set``."""
+    dev = ap.add_argument_group("the development set (generated when --root holds none)")
+    dev.add_argument("--data-seed", type=int, default=1)
+    dev.add_argument("--patients", type=int, default=100)
+    dev.add_argument("--image-size", nargs=2, type=int, default=[512, 416])
+    dev.add_argument("--separation", type=float, default=1.5)
+    dev.add_argument("--size-scale", type=float, default=0.8)
+    dev.add_argument("--size-spread", type=float, default=2.0)
+
+
 def make_dev_set(a):
     if os.path.exists(os.path.join(a.root, "exams.csv")):
         return
@@ -94,13 +106,7 @@ def main(argv=None):
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
     ap.add_argument("--det-epochs", type=float, default=3.0)
-    dev = ap.add_argument_group("the development set (generated when --root holds none)")
-    dev.add_argument("--data-seed", type=int, default=1)
-    dev.add_argument("--patients", type=int, default=100)
-    dev.add_argument("--image-size", nargs=2, type=int, default=[512, 416])
-    dev.add_argument("--separation", type=float, default=1.5)
-    dev.add_argument("--size-scale", type=float, default=0.8)
-    dev.add_argument("--size-spread", type=float, default=2.0)
+    add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
     out, t0 = os.path.abspath(a.out), time.time()

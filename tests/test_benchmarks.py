@@ -39,6 +39,17 @@ def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys):
         assert out.read_text().strip()
 
 
+@pytest.mark.parametrize("name", ["experiment_ratio_grid", "experiment_pseudo_threshold"])
+def test_experiment_scripts_import_and_parse(name, monkeypatch, capsys):
+    """The development-set experiments (hours of CPU, never run here) import and parse their
+    arguments through main(): a renamed package name they use fails here, not on the next run."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    module = __import__(name)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0 and "--data-seed" in capsys.readouterr().out
+
+
 def test_benchmark_regime_criteria_and_settings(monkeypatch, tmp_path):
     """The criteria of docs/RESULTS.md §10 at their edges, and --set refused for unknown keys
     (the experiment itself is hours of CPU: not run here)."""
