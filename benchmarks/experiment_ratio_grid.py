@@ -70,8 +70,11 @@ def ratio_table(per_seed, baseline):
 
 
 def add_dev_set_arguments(ap):
-    """The development set's generator settings (development set B of RESULTS §2.1 by default),
-    read by ``make_dev_set``."""
+    """The run size (demo configs at ``--size``) and the development set's generator settings
+    (development set B of RESULTS §2.1 by default, read by ``make_dev_set``)."""
+    ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
+    ap.add_argument("--stage1-epochs", type=float, default=5.0)
+    ap.add_argument("--det-epochs", type=float, default=3.0)
     dev = ap.add_argument_group("the development set (generated when --root holds none)")
     dev.add_argument("--data-seed", type=int, default=1)
     dev.add_argument("--patients", type=int, default=100)
@@ -103,9 +106,6 @@ def main(argv=None):
     ap.add_argument("--baseline", default="mean_teacher", choices=list(METHODS))
     ap.add_argument("--ceiling", action="store_true",
                     help="also --protocol full Faster R-CNN (every box) per seed")
-    ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
-    ap.add_argument("--stage1-epochs", type=float, default=5.0)
-    ap.add_argument("--det-epochs", type=float, default=3.0)
     add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
