@@ -367,6 +367,28 @@ def test_refusals_unknown_ae_non_mg_malformed_bomb(model, tmp_path, caplog):
     assert len(list((tmp_path / "spool" / "incoming").rglob("*"))) == 2  # one folder, one file
 
 
+def test_spool_pseudonyms_are_keyed_by_the_spools_own_secret(tmp_path):
+    """A study pseudonym (paths, log lines) is an HMAC under the spool's secret: the same across
+    a restart, different in another spool, and not the public-salt hash a PatientID could be
+    enumerated from; the secret is readable by its owner only and never followed through a
+    planted link."""
+    import hashlib
+    import hmac
+
+    a, b = Spool(str(tmp_path / "a")), Spool(str(tmp_path / "b"))
+    text = "patient-day|0123456789abcdef|20240601"
+    secret = (tmp_path / "a" / ".key").read_bytes()
+    assert a.key(text) == hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()[:32]
+    assert Spool(str(tmp_path / "a")).key(text) == a.key(text)  # restart: same pseudonym
+    assert b.key(text) != a.key(text)
+    assert a.key(text) != hashlib.sha256(("braixdet-node-v1" + text).encode()).hexdigest()[:32]
+    assert (tmp_path / "a" / ".key").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "c").mkdir()
+    os.symlink(tmp_path / "a" / ".key", tmp_path / "c" / ".key")
+    with pytest.raises(OSError):
+        Spool(str(tmp_path / "c"))
+
+
 def test_disk_full_refused_without_partial_file(model, tmp_path):
     """A full disk answers 0xA700 and leaves no file behind; the sender's retry then succeeds.
     Simulated two ways (no tiny filesystem can be mounted here): the free-space floor

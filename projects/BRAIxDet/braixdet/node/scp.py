@@ -52,7 +52,7 @@ from pynetdicom.sop_class import (
 
 from ..data.dicom import MAX_COMPRESSION_RATIO, MAX_PIXELS, MAX_SIDE, pseudonymise
 from ..data.views import normalize_laterality, normalize_view, patient_stem, resolve_view
-from .spool import Spool, key
+from .spool import Spool
 from .status import NodeStatus
 
 __all__ = ["AllowEntry", "MAMMOGRAPHY_STORAGE", "ReceivedInstance", "Refused",
@@ -92,11 +92,11 @@ class ReceivedInstance:
     view: Optional[tuple]  # ("L"/"R", "CC"/"MLO") or None
 
 
-def study_key(ds) -> str:
+def study_key(ds, key: Callable[[str], str]) -> str:
     """The node's unit of completion, a superset of ``predictor.group_exams``' exams: the
     patient (pseudonymised stem) and StudyDate, else the StudyInstanceUID (our choice: archives
     such as CBIS-DDSM give every view its own StudyInstanceUID; the worker then groups the
-    study's files exactly as tools/predict.py does)."""
+    study's files exactly as tools/predict.py does). ``key``: ``Spool.key``."""
     stem = patient_stem(str(ds.get("PatientID", "") or "").strip())
     date = str(ds.get("StudyDate", "") or "").strip()
     if stem and date:
@@ -122,7 +122,8 @@ def _int(ds, keyword, default):
         raise Refused("malformed", f"{keyword} is not an integer") from None
 
 
-def inspect_instance(data: bytes, sop_instance_uid: str) -> ReceivedInstance:
+def inspect_instance(data: bytes, sop_instance_uid: str,
+                     key: Callable[[str], str]) -> ReceivedInstance:
     """Checks on the encoded instance ``data`` (file meta + dataset) that need no decoding;
     ``Refused`` when it is not a mammogram the node can use (module doc)."""
     try:
@@ -151,7 +152,7 @@ def inspect_instance(data: bytes, sop_instance_uid: str) -> ReceivedInstance:
             raise Refused("decompression_bomb", f"{decoded} decoded bytes from {len(data)}")
     elif len(data) < decoded:
         raise Refused("truncated", f"{len(data)} bytes for {decoded} bytes of pixels")
-    return ReceivedInstance(study=study_key(ds), instance=key(uid), view=instance_view(ds))
+    return ReceivedInstance(study=study_key(ds, key), instance=key(uid), view=instance_view(ds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +295,8 @@ class StoreSCP:
                 raise OSError(f"{free >> 20} MB free, below the configured minimum "
                               f"{self.min_free_bytes >> 20} MB")
             data = event.encoded_dataset(include_meta=True)
-            received = inspect_instance(data, event.request.AffectedSOPInstanceUID)
+            received = inspect_instance(data, event.request.AffectedSOPInstanceUID,
+                                        self.spool.key)
             new = self.spool.store(received.study, received.instance, data)
         except Refused as e:
             log.refused += 1

@@ -8,8 +8,11 @@ Layout under the spool folder (every name a pseudonym: no UID, ID or name appear
         *.dcm                         SR / GSPS files not yet acknowledged by the destination
     status.json                       counts (``node/status.py``)
 
-``<study>`` and ``<instance>`` are ``key(...)`` digests of the node's study key and the SOP
-Instance UID. A received instance is written with ``utils.io.atomic_write`` (temporary file,
+``<study>`` and ``<instance>`` are ``Spool.key(...)`` digests of the node's study key and the SOP
+Instance UID: an HMAC under the spool's own secret (``.key``, mode 0600, made at the first
+start), so a pseudonym in a path or a log line cannot be traced back to a PatientID by
+enumeration without that file, and stays the same across restarts.
+A received instance is written with ``utils.io.atomic_write`` (temporary file,
 fsync, rename, fsync of the folder) before the SCP answers success, so an acknowledged instance
 survives a kill; the same SOP Instance UID again finds its file and is not written twice.
 
@@ -20,6 +23,7 @@ versions; the sender deletes each one when the destination acknowledged it, the 
 the record that the version exists.
 """
 import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -28,14 +32,29 @@ from typing import Dict, List, Optional
 
 from ..utils.io import atomic_write, atomic_write_json
 
-__all__ = ["OutboxItem", "Spool", "key"]
+__all__ = ["OutboxItem", "Spool"]
 
-_KEY_SALT = "braixdet-node-v1"
+_SECRET_FILE = ".key"
 
 
-def key(text: str) -> str:
-    """Path-safe pseudonym of an identifier (32 hex chars of a salted SHA-256)."""
-    return hashlib.sha256((_KEY_SALT + str(text)).encode("utf-8")).hexdigest()[:32]
+def _spool_secret(root: str) -> bytes:
+    """The spool's HMAC key: read, or made once (O_EXCL, never through a planted link)."""
+    path = os.path.join(root, _SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            secret = f.read()
+        if len(secret) < 32:
+            raise ValueError(f"{path}: spool secret shorter than 32 bytes") from None
+        return secret
+    secret = os.urandom(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    return secret
 
 
 class OutboxItem:
@@ -60,8 +79,13 @@ class Spool:
         self.results = os.path.join(self.root, "results")
         for d in (self.incoming, self.results):
             os.makedirs(d, exist_ok=True)
+        self._secret = _spool_secret(self.root)
         # striped locks: two associations storing the same instance at once write it once
         self._locks = [threading.Lock() for _ in range(64)]
+
+    def key(self, text: str) -> str:
+        """Path-safe pseudonym of an identifier: 32 hex chars of HMAC-SHA256 under the secret."""
+        return hmac.new(self._secret, str(text).encode("utf-8"), hashlib.sha256).hexdigest()[:32]
 
     # -- instances ----------------------------------------------------------------------------
     def instance_path(self, study: str, instance: str) -> str:
