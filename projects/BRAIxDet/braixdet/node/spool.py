@@ -30,7 +30,7 @@ import shutil
 import threading
 from typing import Dict, List, Optional
 
-from ..utils.io import atomic_write, atomic_write_json
+from ..utils.io import atomic_write, atomic_write_bytes, atomic_write_json, fsync_dir
 
 __all__ = ["OutboxItem", "Spool"]
 
@@ -139,14 +139,10 @@ class Spool:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
         for name, data in files.items():
-            atomic_write(os.path.join(staging, name), lambda f, d=data: f.write(d))
+            atomic_write_bytes(os.path.join(staging, name), data)
         atomic_write_json(os.path.join(staging, "manifest.json"), {**manifest, "version": version})
         os.rename(staging, final)  # the commit: fails if the version exists (never overwritten)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(folder)
 
     def outbox(self) -> List[OutboxItem]:
         """Result files of committed versions not yet acknowledged, oldest version first, the

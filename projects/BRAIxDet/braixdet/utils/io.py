@@ -24,7 +24,7 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 __all__ = ["OutputPathRefused", "OutputWriteError", "atomic_write", "atomic_write_bytes",
-           "atomic_write_json", "open_no_follow", "refuse_link", "refuse_links"]
+           "atomic_write_json", "fsync_dir", "open_no_follow", "refuse_link", "refuse_links"]
 
 
 class OutputPathRefused(ValueError):
@@ -97,7 +97,8 @@ class OutputWriteError(OSError):
         return self.strerror
 
 
-def _fsync_dir(dirname):
+def fsync_dir(dirname):
+    """Make renames inside ``dirname`` durable (best effort where directories have no fd)."""
     try:
         fd = os.open(dirname, os.O_RDONLY)
     except OSError:  # e.g. platforms without directory fds
@@ -190,7 +191,7 @@ def atomic_write(path, write_fn, mode="wb", remove_stale=False, error_cls=Output
             raise error_cls(path, cause) from e
         raise
     if fsync:
-        _fsync_dir(dirname)  # make the rename itself durable
+        fsync_dir(dirname)  # make the rename itself durable
 
 
 def atomic_write_bytes(path, data: bytes, **kwargs):
