@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Does stage 1 (BRAIxMVCCL) learn on hard data? Candidates on a development set, per epoch.
+
+  python benchmarks/experiment_stage1_dev.py --out out/dev_d --candidates A B
+
+Development set D of docs/RESULTS.md §11: `benchmark_a`'s generator settings with another draw
+(300 patients, generator seed 2727), protocol partial 1/8, protocol seed 0; the benchmark's own
+data are never used here. Each candidate is one set of stage-1 overrides of the demo config
+(CANDIDATES below). For each: BRAIxMVCCL trained as the pipeline trains it (its stage-1 stage,
+checkpoint every epoch), then every epoch's checkpoint and the export scored with
+``--eval-only`` on the validation and the classifier test split, so the export's choice can be
+judged against what was available. Writes <out>/stage1_dev.md and stage1_dev.json with the
+criteria of §11 (written before any run): stage 1 learns when its export has a validation BCE
+below chance (0.693) and a test AUC >= 0.75. Re-running continues (done-markers, finished
+evaluations are read back). Not part of `make bench` (CPU hours).
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import time
+
+from experiment_benchmark_regime import make_regime
+from experiment_ratio_grid import run_args
+
+from braixdet.engine.checkpoint import safe_torch_load
+from braixdet.pipeline.core import Pipeline
+from braixdet.pipeline.stages import run_stage
+from braixdet.utils.io import atomic_write_json, atomic_write_text
+
+DEV_SET = {"patients": 300, "seed": 2727}  # benchmark_a's settings, another generator draw
+CHANCE_BCE = math.log(2)
+LEARNS = {"val_bce_max": CHANCE_BCE, "test_auc_min": 0.75}
+# one override set each, everything else as configs/demo/MVCCL/mvccl.yaml (RESULTS §11)
+CANDIDATES = {
+    "A": [],  # as is (256x128): the "before"
+    # the film's own pixels; 2 epochs (CPU time: the §11 amendment), compared with A's first 2
+    "B": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "2.0"],
+}
+
+
+def scored(pipe, stage_dir, weights, out, opts):
+    """{"val": {...}, "test": {...}} of ``weights`` by ``train_net --eval-only`` into ``out``."""
+    names = pipe.names()
+    files = {split: os.path.join(out, "inference", "model", ds, "classification_metrics.json")
+             for split, ds in (("val", names["val"]), ("test", names["test_cls"]))}
+    if not all(os.path.exists(f) for f in files.values()):
+        run_stage(f"eval {os.path.basename(out)}",
+                  [*pipe.tool("train_net"), "--config-file", pipe.config("MVCCL/mvccl.yaml"),
+                   "--eval-only", *pipe.common, *opts, "MODEL.WEIGHTS", weights,
+                   "OUTPUT_DIR", out], os.path.join(stage_dir, "logs", "eval.log"))
+    result = {}
+    for split, path in files.items():
+        with open(path) as f:
+            result[split] = json.load(f)["classification"]
+    return result
+
+
+def export_iteration(stage_dir):
+    """The iteration the trainer exported (its log line), or None."""
+    with open(os.path.join(stage_dir, "log.txt")) as f:
+        found = re.findall(r"Exported model: iteration (\d+)", f.read())
+    return int(found[-1]) if found else None
+
+
+def run_candidate(a, name):
+    out = os.path.join(a.out, name)
+    os.makedirs(out, exist_ok=True)
+    args = run_args(a, "partial", a.ratio, a.seed, out, ["cam_only"])
+    opts = CANDIDATES[name]
+    args.stage1_opts = [*args.stage1_opts, *opts]
+    pipe = Pipeline(args)
+    t0 = time.time()
+    print(f"##### candidate {name}: {' '.join(opts) or '(demo config as is)'}", flush=True)
+    stage = pipe.train("mvccl", pipe.config("MVCCL/mvccl.yaml"), args.stage1_opts)
+    minutes = (time.time() - t0) / 60
+    epochs = []
+    ckpts = sorted(glob.glob(os.path.join(stage, "model_[0-9]*.pth")))
+    for ckpt in [*ckpts, os.path.join(stage, "model_final.pth")]:
+        it = int(safe_torch_load(ckpt)["iteration"])  # the storage's (0-based) iteration
+        m = scored(pipe, out, ckpt, os.path.join(out, "eval", f"iter{it}"), args.stage1_opts)
+        epochs.append({"iteration": it, **{f"{s}_{k}": m[s][k] for s in m for k in ("AUC", "BCE")}})
+        print(f"  iteration {it}: val AUC {m['val']['AUC']:.3f} BCE {m['val']['BCE']:.3f}, "
+              f"test AUC {m['test']['AUC']:.3f}", flush=True)
+    export = scored(pipe, out, os.path.join(stage, "model_export.pth"),
+                    os.path.join(out, "eval", "export"), args.stage1_opts)
+    it = export_iteration(stage)
+    learns = (export["val"]["BCE"] < LEARNS["val_bce_max"]
+              and export["test"]["AUC"] >= LEARNS["test_auc_min"])
+    ranks = sorted((e["test_AUC"] for e in epochs), reverse=True)
+    return {"candidate": name, "opts": opts, "epochs": epochs, "export_iteration": it,
+            "export": export, "learns": learns, "train_minutes": round(minutes, 1),
+            "export_test_auc_rank": 1 + ranks.index(export["test"]["AUC"])
+            if export["test"]["AUC"] in ranks else None}
+
+
+def table(results):
+    lines = ["| candidate | iteration | val AUC | val BCE | test AUC | test BCE |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        for e in r["epochs"]:
+            mark = " (export)" if e["iteration"] == r["export_iteration"] else ""
+            lines.append(f"| {r['candidate']} | {e['iteration']}{mark} | {e['val_AUC']:.3f} | "
+                         f"{e['val_BCE']:.3f} | {e['test_AUC']:.3f} | {e['test_BCE']:.3f} |")
+    lines += ["", "| candidate | export iteration | val BCE | test AUC | rank of its test AUC "
+              "among the epochs | learns (val BCE < 0.693, test AUC >= 0.75) | train min |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results:
+        ex = r["export"]
+        lines.append(f"| {r['candidate']} | {r['export_iteration']} | {ex['val']['BCE']:.3f} | "
+                     f"{ex['test']['AUC']:.3f} | {r['export_test_auc_rank']} of "
+                     f"{len(r['epochs'])} | {'yes' if r['learns'] else 'no'} | "
+                     f"{r['train_minutes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
+    ap.add_argument("--seed", type=int, default=0, help="protocol / training seed")
+    ap.add_argument("--ratio", default="1/8")
+    ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
+    ap.add_argument("--stage1-epochs", type=float, default=5.0)
+    a = ap.parse_args(argv)
+    a.out = os.path.abspath(a.out)
+    a.det_epochs = 3.0  # run_args needs it; no detector runs here
+    a.root, record = make_regime("benchmark_a", dict(DEV_SET), a.out)
+    results = [run_candidate(a, name) for name in a.candidates]
+    atomic_write_json(os.path.join(a.out, "stage1_dev.json"),
+                      {"dev_set": record, "criteria": LEARNS, "results": results}, indent=1)
+    text = table(results)
+    atomic_write_text(os.path.join(a.out, "stage1_dev.md"), text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
