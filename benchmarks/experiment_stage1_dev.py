@@ -70,6 +70,7 @@ def run_candidate(a, name):
     os.makedirs(out, exist_ok=True)
     args = run_args(a, "partial", a.ratio, a.seed, out, ["cam_only"])
     opts = CANDIDATES[name]
+    args.opts = [*args.opts, "NUM_THREADS", "1"]  # as §9; runs beside other jobs on 2 cores
     args.stage1_opts = [*args.stage1_opts, *opts]
     pipe = Pipeline(args)
     t0 = time.time()
