@@ -78,9 +78,12 @@ def run_candidate(a, name):
     stage = pipe.train("mvccl", pipe.config("MVCCL/mvccl.yaml"), args.stage1_opts)
     minutes = (time.time() - t0) / 60
     epochs = []
-    ckpts = sorted(glob.glob(os.path.join(stage, "model_[0-9]*.pth")))
-    for ckpt in [*ckpts, os.path.join(stage, "model_final.pth")]:
-        it = int(safe_torch_load(ckpt)["iteration"])  # the storage's (0-based) iteration
+    by_iteration = {}  # the last epoch's periodic checkpoint and model_final are one model
+    for ckpt in [*sorted(glob.glob(os.path.join(stage, "model_[0-9]*.pth"))),
+                 os.path.join(stage, "model_final.pth")]:
+        # the storage's (0-based) iteration, as the export's log line names it
+        by_iteration.setdefault(int(safe_torch_load(ckpt)["iteration"]), ckpt)
+    for it, ckpt in sorted(by_iteration.items()):
         m = scored(pipe, out, ckpt, os.path.join(out, "eval", f"iter{it}"), args.stage1_opts)
         epochs.append({"iteration": it, **{f"{s}_{k}": m[s][k] for s in m for k in ("AUC", "BCE")}})
         print(f"  iteration {it}: val AUC {m['val']['AUC']:.3f} BCE {m['val']['BCE']:.3f}, "
