@@ -370,3 +370,37 @@ def test_supervised_single_view_baseline(work):
     assert all(math.isfinite(v) and v > 0 for v in losses.values()), losses
     assert os.path.isfile(os.path.join(t.cfg.OUTPUT_DIR, "model_final.pth"))
 
+
+# ------------------------------------------------------------------------------ config.yaml
+def test_run_reproduced_from_its_own_config_yaml(work):
+    """A run's OUTPUT_DIR/config.yaml records what ran (the iterations its epochs came to, the
+    ratio as parsed, the split folder, the datasets), so training again from that file alone,
+    nothing but OUTPUT_DIR on the command line, gives bit-identical weights. (tools/train_net.py
+    in this process: its cli.)"""
+    import yaml
+    from _train_helpers import CONFIGS
+
+    from braixdet.pipeline.train_net import cli
+
+    first, again = work.dir / "from_epochs", work.dir / "from_config_yaml"
+    # 1e-6 epochs: one iteration (the schedule's minimum), decided by the epoch set's size
+    opts = _opts(work, first, "mvccl", max_iter=-1, ckpt_period=-1, extra=[
+        "SOLVER.BRAIXDET.EPOCHS", "1e-6", "TEST.EVAL_PERIOD", "-1",
+        "DATASETS.BRAIXDET.RATIO", "2/4", "DATASETS.BRAIXDET.SPLIT_DIR", "",
+        "DATASETS.TEST", '("cbis_ddsm_val_s0",)'])
+    assert cli(["--config-file", CONFIGS["mvccl"], *map(str, opts)]) == 0
+    with open(first / "config.yaml") as f:
+        written = yaml.safe_load(f)
+    s = written["SOLVER"]
+    assert (s["MAX_ITER"], s["CHECKPOINT_PERIOD"]) == (1, written["TEST"]["EVAL_PERIOD"]) and \
+        s["CHECKPOINT_PERIOD"] > 0
+    b = written["DATASETS"]["BRAIXDET"]
+    assert (b["RATIO"], b["SPLIT_DIR"]) == ("1/2", str(first / "splits"))
+    assert written["DATASETS"]["TRAIN"] == ["cbis_ddsm_train_all_s0"]
+    assert load_ckpt(first / "model_final.pth")["iteration"] == 0
+
+    assert cli(["--config-file", str(first / "config.yaml"), "OUTPUT_DIR", str(again)]) == 0
+    with open(again / "config.yaml") as f:
+        assert yaml.safe_load(f) == dict(written, OUTPUT_DIR=str(again))
+    assert_state_equal(load_ckpt(first / "model_final.pth")["model"],
+                       load_ckpt(again / "model_final.pth")["model"], "weights")
