@@ -33,7 +33,7 @@ from braixdet.cam import (
     nipple_column,
     view_agreement_filter,
 )
-from braixdet.config import build_cfg, register_datasets
+from braixdet.config import build_cfg, inference_cfg, register_datasets
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.utils.checkpoint import load_inference_weights
 
@@ -121,8 +121,8 @@ def main(argv=None):
     ap.add_argument("opts", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-    cfg = build_cfg(args.config_file, [*args.opts, "MODEL.WEIGHTS", args.weights,
-                                       "MODEL.BRAIXDET.OUT_FEATURES", '["res3", "res4", "res5"]'])
+    cfg = inference_cfg(build_cfg(args.config_file, [
+        *args.opts, "MODEL.BRAIXDET.OUT_FEATURES", '["res3", "res4", "res5"]']), args.weights)
     register_datasets(cfg)
     model = build_model(cfg)
     load_inference_weights(model, args.weights)
