@@ -27,7 +27,8 @@ from .experiments import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experimen
 from .results import format_classifiers, format_table
 
 METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
-# several seeds make the paper-style table: every row, the competitors too (about 24 min a seed)
+# several seeds make the paper-style table: every row, the competitors too (about 29 min a
+# seed: 87 min for three, docs/RESULTS.md §1.0a)
 ALL_METHODS = DEFAULT_METHODS + ["stac", "unbiased_teacher", "soft_teacher"]
 # synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/RESULTS.md §1.5
 DEMO = {
