@@ -698,3 +698,26 @@ def test_a_cluster_job_runs_its_stage_only_from_the_stages_it_waits_for(monkeypa
             with pytest.raises(StageFailed, match="stage classifier_single_view of .* not done"):
                 pipe.run_job(job, plan) if job != "summary" else pipe.run_all()
     assert trained == [("braixdet", str(tmp_path / "o" / "mvccl" / "model_final.pth"))]
+
+
+def test_full_protocol_counts_d_w_from_the_split_a_run_wrote(synthetic_root, tmp_path,
+                                                              monkeypatch):
+    """Issue 30: under --protocol full the parent pipeline asks whether D_w holds an image. It
+    loads the dataset only while no run has written the split (the stage-1 run writes it to
+    <out>/splits); after that it counts D_w in the split file, reading no image."""
+    import argparse
+
+    from braixdet.data import register
+    from braixdet.pipeline import Pipeline, add_pipeline_arguments
+
+    loads = []
+    load = register._load_all
+    monkeypatch.setattr(register, "_load_all", lambda spec: loads.append(spec) or load(spec))
+    args = add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
+        "--root", synthetic_root.root, "--protocol", "full", "--out", str(tmp_path / "out"),
+        "--configs", os.path.join(REPO, "configs", "demo"),
+        "--opts", "DATASETS.BRAIXDET.NAME", "dw_count"])
+    assert Pipeline(args).has_weak_images() is False  # CBIS layout: every image has boxes
+    assert len(loads) == 1 and os.path.isfile(loads[0].split_file)
+    assert Pipeline(args).has_weak_images() is False
+    assert len(loads) == 1  # counted in the split file
