@@ -671,6 +671,7 @@ def test_checkpoint_write_failure_keeps_previous(tmp_path, monkeypatch, how):
     import torch
 
     from braixdet.engine import checkpoint as ck
+    from braixdet.utils.checkpoint import CheckpointWriteError
 
     model = torch.nn.Linear(64, 64)
     saver = ck.AtomicCheckpointer(model, str(tmp_path))
@@ -688,7 +689,7 @@ def test_checkpoint_write_failure_keeps_previous(tmp_path, monkeypatch, how):
                                "failed writing file data/0: file write failed")
 
         monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(ck.CheckpointWriteError) as e:
+    with pytest.raises(CheckpointWriteError) as e:
         saver.save("model_0000999")
     monkeypatch.undo()
     msg, path = str(e.value), tmp_path / "model_0000999.pth"

@@ -155,7 +155,8 @@ def test_oracle_rows_and_refused_settings(weak):
             with pytest.raises(ValueError, match="known boxes"):
                 source_lookup(cfg, [], lambda: None, 0)
     base = os.path.join(repo, "configs", "demo", "BRAIxDet", "braixdet.yaml")
-    for opts, msg in ((["SSL.CAM_BOX_SOURCE", "truth"], "must be one of"),
+    # an unknown source is refused when the config is built (config/checks.py)
+    for opts, msg in ((["SSL.CAM_BOX_SOURCE", "truth"], "allowed: one of 'gradcam'"),
                       (["SSL.CAM_BOX_SOURCE", "oracle", "SSL.CAM_JSON", "x.json"], "GradCAM"),
                       (["SSL.CAM_BOX_SOURCE", "oracle", "SSL.USE_CAM", "False"], "USE_CAM")):
         with pytest.raises(ValueError, match=msg):
