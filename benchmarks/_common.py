@@ -90,10 +90,10 @@ _OFFLINE_PRETRAINED = ("", "efficientnet-lite0-package")
 
 
 def build_cfg(config="demo/BRAIxDet/braixdet.yaml", opts=(), output_dir=None):
-    """braixdet.engine.setup.build_cfg with stage-1 inputs cleared, OUTPUT_DIR set and
+    """braixdet.config.build_cfg with stage-1 inputs cleared, OUTPUT_DIR set and
     MODEL.BRAIXDET.PRETRAINED "" (random init) unless the config's source is offline (the
     demo's efficientnet-lite0-package) or ``opts`` set it explicitly."""
-    from braixdet.engine.setup import build_cfg as _build
+    from braixdet.config import build_cfg as _build
 
     opts = list(_NO_STAGE1) + list(opts)
     if output_dir:

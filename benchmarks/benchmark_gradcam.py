@@ -25,7 +25,7 @@ import _common as C
 import torch
 from detectron2.modeling import build_model
 
-from braixdet.ssl.cam_boxes import gradcam_heatmaps
+from braixdet.cam import gradcam_heatmaps
 
 
 def bench(args, size, precs, tmp):
@@ -62,7 +62,7 @@ def bench(args, size, precs, tmp):
             cam(True)()
         except TypeError as e:
             notes.append(f"GradCAM under {C.precision_name(True, args.device)} fails in "
-                         f"`braixdet.ssl.cam_boxes.gradcam_heatmaps` ({e}): its heatmap is "
+                         f"`braixdet.cam.gradcam_heatmaps` ({e}): its heatmap is "
                          "returned as numpy without a cast to float32; AMP GradCAM skipped")
     fns = {}
     for amp in precs:

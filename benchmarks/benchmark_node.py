@@ -34,9 +34,9 @@ from pynetdicom.sop_class import (
 )
 
 from braixdet.data.dicom import write_dicom
-from braixdet.engine.checkpoint import export_model_only
 from braixdet.engine.predictor import ExamPredictor
 from braixdet.node import Destination, DicomNode, NodeSettings
+from braixdet.utils.checkpoint import export_model_only
 
 VIEWS = (("L", "CC"), ("L", "MLO"), ("R", "CC"), ("R", "MLO"))
 

@@ -21,9 +21,7 @@ import torch
 from detectron2.data import DatasetCatalog
 from detectron2.modeling import build_model
 
-from braixdet.data.mapper import MultiViewDatasetMapper
-from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
-from braixdet.ssl.cam_boxes import (
+from braixdet.cam import (
     FUSED_LAYERS,
     CamSettings,
     box_depths,
@@ -35,6 +33,9 @@ from braixdet.ssl.cam_boxes import (
     nipple_column,
     view_agreement_filter,
 )
+from braixdet.config import build_cfg, inference_cfg, register_datasets
+from braixdet.data.mapper import MultiViewDatasetMapper
+from braixdet.utils.checkpoint import load_inference_weights
 
 VARIANTS = [(m, layer) for m in ("gradcam", "layercam") for layer in ("res5", "res4", "res3")]
 VARIANTS.append(("layercam", FUSED_LAYERS))
@@ -120,9 +121,9 @@ def main(argv=None):
     ap.add_argument("opts", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-    cfg = build_cfg(args.config_file, [*args.opts, "MODEL.WEIGHTS", args.weights,
-                                       "MODEL.BRAIXDET.OUT_FEATURES", '["res3", "res4", "res5"]'])
-    register_and_assign_datasets(cfg)
+    cfg = inference_cfg(build_cfg(args.config_file, [
+        *args.opts, "MODEL.BRAIXDET.OUT_FEATURES", '["res3", "res4", "res5"]']), args.weights)
+    register_datasets(cfg)
     model = build_model(cfg)
     load_inference_weights(model, args.weights)
     model.eval()

@@ -69,15 +69,15 @@ def tiny_opts(root, out, cache_dir, stage="braixdet", max_iter=4, ckpt_period=10
 
 
 def build_trainer(stage, opts, resume=False):
-    """In-process trainer after build_cfg -> register_and_assign_datasets -> resume_or_load."""
+    """In-process trainer after build_cfg -> resolve_cfg -> resume_or_load."""
     from detectron2.utils import comm
     from detectron2.utils.env import seed_all_rng
 
+    from braixdet.config import build_cfg, resolve_cfg
     from braixdet.engine import trainer_class
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
     cfg = build_cfg(CONFIGS[stage], opts)
-    register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
     cfg.freeze()
     # what train_net.py's default_setup does: the random init is a function of SEED (and rank)
     seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + comm.get_rank())

@@ -19,8 +19,7 @@ from detectron2.modeling import build_model
 from torch import nn
 
 import braixdet.modeling  # noqa: F401
-from braixdet.engine.validate import validate_config
-from braixdet.ssl.cam_boxes import (
+from braixdet.cam import (
     FUSED_LAYERS,
     CamSettings,
     _minmax,
@@ -37,6 +36,7 @@ from braixdet.ssl.cam_boxes import (
     view_agreement_filter,
     write_cam_boxes,
 )
+from braixdet.config import check_config
 
 H, W = 128, 64
 
@@ -218,7 +218,7 @@ def test_fused_map_is_the_normalised_mean_of_the_stage_maps():
     cfg = tiny_classifier_cfg(multi_view=True)
     cfg.MODEL.BRAIXDET.CAM.METHOD = "layercam"
     cfg.MODEL.BRAIXDET.CAM.TARGET_LAYER = FUSED_LAYERS
-    validate_config(cfg)
+    check_config(cfg)
     assert CamSettings.from_cfg(cfg).target_layer == FUSED_LAYERS
     torch.manual_seed(0)
     model = build_model(cfg).eval()
@@ -236,7 +236,7 @@ def test_fused_map_is_the_normalised_mean_of_the_stage_maps():
     assert np.allclose(probs, gradcam_heatmaps(model, inputs, "layercam", "res5")[1])
     cfg.MODEL.BRAIXDET.CAM.TARGET_LAYER = "res2+res5"
     with pytest.raises(ValueError, match="TARGET_LAYER"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_res5_map_sees_the_max_pooled_evidence():
@@ -415,7 +415,7 @@ def test_resume_only_with_the_same_weights_and_settings(classifier, tmp_path, ca
     out = str(tmp_path / "cam.json")
     settings = CamSettings(tau=0.5, min_area=1, max_area=H * W, canonical_size=(H, W))
     # a killed run with weights w1 left one (fake) record behind
-    from braixdet.ssl.cam_boxes import fingerprint
+    from braixdet.cam import fingerprint
 
     fake = {"image_id": "i0", "boxes": [[1, 2, 3, 4]], "scores": [0.5]}
     with open(out + ".partial.jsonl", "w") as f:
@@ -438,16 +438,13 @@ def test_resume_only_with_the_same_weights_and_settings(classifier, tmp_path, ca
     assert "starting fresh" in caplog.text
 
 
-def test_cam_layer_experiment_runs_through_main(synthetic_root, tmp_path):
+def test_cam_layer_experiment_runs_through_main(synthetic_root, tmp_path, load_tool):
     """benchmarks/experiment_cam_layers.py (the README's GradCAM table) on a tiny classifier."""
-    import sys
-
-    from braixdet.engine.checkpoint import export_model_only
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
+    from braixdet.utils.checkpoint import export_model_only
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(repo, "benchmarks"))
-    import experiment_cam_layers
+    experiment_cam_layers = load_tool("experiment_cam_layers", folder="benchmarks")
 
     config = os.path.join(repo, "configs", "demo", "MVCCL", "mvccl.yaml")
     opts = ["DATASETS.BRAIXDET.ROOT", synthetic_root.root, "DATASETS.BRAIXDET.PROTOCOL", "full",

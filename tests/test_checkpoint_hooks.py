@@ -21,12 +21,9 @@ from detectron2.solver import LRMultiplier
 from fvcore.common.param_scheduler import ConstantParamScheduler
 from torch import nn
 
-from braixdet.engine.checkpoint import (
-    AtomicCheckpointer,
-    CheckpointContentError,
-    export_model_only,
-)
+from braixdet.engine.checkpoint import AtomicCheckpointer
 from braixdet.engine.hooks import FiniteLossCheck, ReduceLROnPlateauHook, check_finite_losses
+from braixdet.utils.checkpoint import CheckpointContentError, export_model_only
 
 
 def _model(fill=None):

@@ -65,7 +65,7 @@ def test_strong_augment_changes_the_students_copy_only_and_moves_its_boxes():
 
 
 def test_unbiased_teacher_trains_no_box_regression_on_pseudo_labels():
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
 
     cfg = build_cfg(os.path.join(REPO, "configs", "baselines", "unbiased_teacher.yaml"), [])
     losses = {k: torch.tensor(1.0) for k in
@@ -252,7 +252,7 @@ def test_stac_labels_with_the_fixed_supervised_detector(synthetic_root, tmp_path
     so the pseudo-labels of D_w are those of that detector; the student trains on them."""
     import _train_helpers as th
 
-    from braixdet.engine.checkpoint import safe_torch_load
+    from braixdet.utils.checkpoint import safe_torch_load
 
     monkeypatch.setitem(th.CONFIGS, "stac", os.path.join(
         REPO, "configs", "demo", "baselines", "stac.yaml"))

@@ -201,8 +201,8 @@ def test_pseudonymised_sr_and_gsps_follow_the_basic_profile(synthetic_root, tmp_
 def weights(tmp_path_factory):
     from detectron2.modeling import build_model
 
-    from braixdet.engine.checkpoint import export_model_only
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
+    from braixdet.utils.checkpoint import export_model_only
 
     cfg = build_cfg(CFG, ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "",
                           "MODEL.BRAIXDET.PRETRAINED", "", *SIZE])
@@ -211,20 +211,22 @@ def weights(tmp_path_factory):
     return path
 
 
-def _predict(weights, inp, out, *extra):
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import predict
-
-    return predict.main(["--config-file", CFG, "--weights", weights, "--input", str(inp),
-                         "--out", str(out), "--workers", "0", *extra,
-                         "MODEL.BRAIXDET.PRETRAINED", "", *SIZE])
+@pytest.fixture
+def predict(load_tool):
+    """tools/predict.py's main() on the tiny model: (weights, input, out, *flags) -> records."""
+    def run(weights, inp, out, *extra):
+        return load_tool("predict").main([
+            "--config-file", CFG, "--weights", weights, "--input", str(inp), "--out", str(out),
+            "--workers", "0", *extra, "MODEL.BRAIXDET.PRETRAINED", "", *SIZE])
+    return run
 
 
 def _print_warning(message, category, filename, lineno, file=None, line=None):
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-def test_identifiers_stay_off_console_and_report(synthetic_root, tmp_path, weights, capfd):
+def test_identifiers_stay_off_console_and_report(synthetic_root, tmp_path, weights, capfd,
+                                                 predict):
     """Item 11: an input folder named after a record number and a header value pydicom quotes
     in its warnings: neither reaches stdout/stderr or report.json (paths are relative to
     --input); item 13: a second run into the same --out removes the first run's outputs that
@@ -242,7 +244,7 @@ def test_identifiers_stay_off_console_and_report(synthetic_root, tmp_path, weigh
     with warnings.catch_warnings():  # as outside pytest: every warning printed on stderr
         warnings.simplefilter("always")
         warnings.showwarning = _print_warning
-        _predict(weights, inp, out, "--format", "both", "--score-thresh", "0.999")
+        predict(weights, inp, out, "--format", "both", "--score-thresh", "0.999")
     console = "".join(capfd.readouterr())
     report = (out / "report.json").read_text()
     assert "MRN-7741" not in console + report, (console + report)[-3000:]
@@ -257,7 +259,7 @@ def test_identifiers_stay_off_console_and_report(synthetic_root, tmp_path, weigh
         ds = pydicom.dcmread(f)
         ds.PatientID, ds.SOPInstanceUID = "OTHER-1", pydicom.uid.generate_uid()
         ds.save_as(f)
-    result = _predict(weights, tmp_path / "second", out, "--format", "both",
+    result = predict(weights, tmp_path / "second", out, "--format", "both",
                       "--score-thresh", "0.999")
     now = {p.relative_to(out) for p in out.rglob("*") if p.is_file()}
     pngs = {p.name for p in now if p.suffix == ".png" and p.parent == out.relative_to(out)}
@@ -267,7 +269,7 @@ def test_identifiers_stay_off_console_and_report(synthetic_root, tmp_path, weigh
 
 
 @pytest.mark.parametrize("sub", ["sr", "pr", "exams"])
-def test_planted_output_subfolder_link_is_refused(tmp_path, weights, sub):
+def test_planted_output_subfolder_link_is_refused(tmp_path, weights, sub, predict):
     """Item 12: --out/<sub> a symbolic link to a folder outside: one-line refusal before any
     prediction, nothing written through it."""
     outside = tmp_path / "outside"
@@ -276,12 +278,12 @@ def test_planted_output_subfolder_link_is_refused(tmp_path, weights, sub):
     out.mkdir()
     os.symlink(outside, out / sub)
     with pytest.raises(OutputPathRefused, match=f"{sub}: it is a symbolic link"):
-        _predict(weights, tmp_path / "nothing", out, "--format", "both")
+        predict(weights, tmp_path / "nothing", out, "--format", "both")
     assert not list(outside.iterdir())
 
 
 def test_sigterm_leaves_no_cache_of_patient_images(synthetic_root, tmp_path, weights,
-                                                   monkeypatch):
+                                                   monkeypatch, predict):
     """Item 14: SIGTERM while predict.py predicts: it exits with status 143 (SystemExit, so
     the ``with`` blocks run) and its temporary cache folder of canonical images is gone.
     (In this process: the test's own SIGTERM handler stands for the default action, death
@@ -319,7 +321,7 @@ def test_sigterm_leaves_no_cache_of_patient_images(synthetic_root, tmp_path, wei
     sender.start()
     try:
         with pytest.raises(SystemExit) as stopped:
-            _predict(weights, inp, tmp_path / "out", "--no-overlays")
+            predict(weights, inp, tmp_path / "out", "--no-overlays")
     finally:
         signal.signal(signal.SIGTERM, previous)
         sender.join(5)

@@ -1,7 +1,6 @@
 """Evaluation: AP == pycocotools COCOeval, FROC hand-made cases, evaluators, tools, overlays."""
 import contextlib
 import csv
-import importlib.util
 import io
 import json
 import os
@@ -30,13 +29,6 @@ from braixdet.evaluation.metrics import match_detections
 from braixdet.evaluation.overlay import DET_COLOR, GT_COLOR, draw_overlay
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ---- pycocotools reference ---------------------------------------------------------------------
@@ -394,8 +386,8 @@ def test_classification_evaluator_matches_sklearn(tmp_path):
 
 
 # ---- tools ---------------------------------------------------------------------------------------
-def test_summarize_runs_ttest(tmp_path, capsys):
-    sr = _tool("summarize_runs")
+def test_summarize_runs_ttest(tmp_path, capsys, load_tool):
+    sr = load_tool("summarize_runs")
     vals = {"BRAIxDet": ([40.0, 42.5, 45.0], [70.0, 72.0, 71.0]),
             "FasterRCNN": ([35.0, 38.0, 36.0], [65.0, 69.0, 66.0])}
     runs = []
@@ -443,7 +435,7 @@ def test_draw_overlay_colours(tmp_path):
     assert small.shape == (100, 50, 3)
 
 
-def test_visualize_tool_on_dicom(tmp_path):
+def test_visualize_tool_on_dicom(tmp_path, load_tool):
     from braixdet.data.dicom import write_dicom
 
     px = (np.random.default_rng(0).random((96, 64)) * 4000).astype(np.uint16)
@@ -452,7 +444,7 @@ def test_visualize_tool_on_dicom(tmp_path):
     preds = [{"image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20], "score": 0.9},
              {"image_id": 1, "category_id": 1, "bbox": [30, 30, 10, 10], "score": 0.1}]
     (tmp_path / "det.json").write_text(json.dumps(preds))
-    vis = _tool("visualize")
+    vis = load_tool("visualize")
     written = vis.main(["--dicom", dcm, "--predictions", str(tmp_path / "det.json"),
                         "--out", str(tmp_path / "vis"), "--score-thresh", "0.5"])
     assert len(written) == 1 and os.path.getsize(written[0]) > 0

@@ -11,8 +11,8 @@ from detectron2.data import DatasetCatalog
 from detectron2.engine import launch
 from detectron2.structures import Boxes, BoxMode, Instances
 
-from braixdet.engine.runtime import end_distributed
 from braixdet.evaluation import ClassificationEvaluator, MammoDetectionEvaluator
+from braixdet.utils.runtime import end_distributed
 
 
 def toy_dataset(n=13):

@@ -3,15 +3,16 @@ import hashlib
 import importlib.util
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
 
-import install_detectron2  # noqa: E402
+
+@pytest.fixture
+def install_detectron2(load_tool):
+    return load_tool("install_detectron2")
 
 
 def test_detectron2_generalized_rcnn_trains_one_step_on_cpu():
@@ -58,7 +59,7 @@ def test_detectron2_generalized_rcnn_trains_one_step_on_cpu():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_backport_patch_applies_to_the_pinned_sdist(tmp_path):
+def test_backport_patch_applies_to_the_pinned_sdist(tmp_path, install_detectron2):
     """Downloads (or reuses the cached) pb1-detectron2 0.6 sdist, checks its sha256, applies."""
     if not _patch_tool_available():
         pytest.skip("the 'patch' program is not installed")
@@ -82,7 +83,7 @@ def test_backport_patch_applies_to_the_pinned_sdist(tmp_path):
                                                           "model_zoo.py")).read()
 
 
-def test_installed_detectron2_is_ours_or_the_users():
+def test_installed_detectron2_is_ours_or_the_users(install_detectron2):
     """The installer keeps an importable detectron2 and recognises its own patched build."""
     assert importlib.util.find_spec("detectron2") is not None
     assert install_detectron2.installed_state() in ("current", "user")

@@ -306,18 +306,6 @@ def test_cbis_hostile_cells_reported_with_line(synthetic_root, tmp_path, case):
 
 
 # ------------------------------------------------------------------------------ train_net helpers
-def _train_net():
-    import importlib
-    import sys
-
-    from _train_helpers import REPO
-
-    tools = os.path.join(REPO, "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module("train_net")
-
-
 def _tiny(synthetic_root, tmp_path, out, stage="mvccl", **kw):
     from _train_helpers import tiny_opts
 
@@ -325,15 +313,18 @@ def _tiny(synthetic_root, tmp_path, out, stage="mvccl", **kw):
 
 
 def _cli(stage, opts, *args):
-    """tools/train_net.py in this process: (exit status, last line of stderr)."""
+    """tools/train_net.py (the package's train_net.cli) in this process: (exit status, last
+    line of stderr)."""
     import contextlib
     import io
 
     from _train_helpers import CONFIGS
 
+    from braixdet.pipeline.train_net import cli
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = _train_net().cli(["--config-file", CONFIGS[stage], *args, *map(str, opts)])
+        rc = cli(["--config-file", CONFIGS[stage], *args, *map(str, opts)])
     lines = err.getvalue().strip().splitlines()
     return rc, (lines[-1] if lines else ""), err.getvalue()
 
@@ -468,11 +459,11 @@ def test_symlinked_lock_file_is_refused_and_never_written(tmp_path):
 def _registered_cfg(synthetic_root, tmp_path, stage="braixdet", extra=()):
     from _train_helpers import CONFIGS, tiny_opts
 
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+    from braixdet.config import build_cfg, resolve_cfg
 
     cfg = build_cfg(CONFIGS[stage], tiny_opts(synthetic_root.root, tmp_path / "out",
                                               tmp_path / "cache", stage=stage, extra=extra))
-    register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
     return cfg
 
 
@@ -543,8 +534,8 @@ def test_preflight_disk_space(monkeypatch, tmp_path):
 
     import torch
 
+    from braixdet.config import build_cfg
     from braixdet.engine import preflight
-    from braixdet.engine.setup import build_cfg
 
     cfg = build_cfg(opts=["OUTPUT_DIR", str(tmp_path), "SOLVER.MAX_ITER", "100",
                           "SOLVER.CHECKPOINT_PERIOD", "10"])
@@ -589,13 +580,14 @@ def test_refused_checkpoint_is_one_line_naming_the_file(tmp_path):
 
     import torch
 
-    from braixdet.engine.checkpoint import (
-        AtomicCheckpointer,
+    from braixdet.config import build_cfg
+    from braixdet.engine.checkpoint import AtomicCheckpointer
+    from braixdet.modeling.rcnn import load_classifier_weights_from_cfg
+    from braixdet.utils.checkpoint import (
         CheckpointLoadError,
         CheckpointRefusedError,
+        load_inference_weights,
     )
-    from braixdet.engine.setup import build_cfg, load_inference_weights
-    from braixdet.modeling.rcnn import load_classifier_weights_from_cfg
 
     marker, zipped, legacy, pkl = _crafted(tmp_path)
     model = torch.nn.Linear(1, 1)
@@ -679,6 +671,7 @@ def test_checkpoint_write_failure_keeps_previous(tmp_path, monkeypatch, how):
     import torch
 
     from braixdet.engine import checkpoint as ck
+    from braixdet.utils.checkpoint import CheckpointWriteError
 
     model = torch.nn.Linear(64, 64)
     saver = ck.AtomicCheckpointer(model, str(tmp_path))
@@ -696,7 +689,7 @@ def test_checkpoint_write_failure_keeps_previous(tmp_path, monkeypatch, how):
                                "failed writing file data/0: file write failed")
 
         monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(ck.CheckpointWriteError) as e:
+    with pytest.raises(CheckpointWriteError) as e:
         saver.save("model_0000999")
     monkeypatch.undo()
     msg, path = str(e.value), tmp_path / "model_0000999.pth"

@@ -40,10 +40,9 @@ from pynetdicom.sop_class import (
     Verification,
 )
 
+from braixdet.config import build_cfg
 from braixdet.data.dicom import write_dicom
-from braixdet.engine.checkpoint import export_model_only
 from braixdet.engine.predictor import ExamPredictor
-from braixdet.engine.setup import build_cfg
 from braixdet.evaluation.sr import read_sr_findings
 from braixdet.node import (
     AllowEntry,
@@ -55,6 +54,7 @@ from braixdet.node import (
     server_tls_context,
 )
 from braixdet.node.scp import STATUS_CANNOT_UNDERSTAND, STATUS_OUT_OF_RESOURCES
+from braixdet.utils.checkpoint import export_model_only
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
@@ -191,18 +191,10 @@ def _evidence(sr):
             for i in series.ReferencedSOPSequence}
 
 
-def _predict_tool():
-    spec = importlib.util.spec_from_file_location("predict_tool",
-                                                  os.path.join(REPO, "tools", "predict.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
-def _assert_boxes_equal_predict(model, files, srs, out):
+def _assert_boxes_equal_predict(model, files, srs, out, load_tool):
     """The SRs' boxes and scores are tools/predict.py's on ``files`` (its JSON rounds boxes to
     0.1 px and scores to 1e-5; the SR stores coordinates as 32-bit floats)."""
-    records = _predict_tool().main(["--config-file", DEMO, "--weights", model["weights"],
+    records = load_tool("predict").main(["--config-file", DEMO, "--weights", model["weights"],
                                     "--input", *files, "--out", str(out), "--no-overlays",
                                     "--workers", "0", *model["opts"]])
     expected = sorted((r["sop_instance_uid"], d["score"], d["box_xyxy"])
@@ -215,7 +207,7 @@ def _assert_boxes_equal_predict(model, files, srs, out):
         assert np.abs(np.subtract(box_a, box_b)).max() <= 0.1
 
 
-def test_real_films_storescu_sr_equals_predict(model, tmp_path):
+def test_real_films_storescu_sr_equals_predict(model, tmp_path, load_tool):
     """storescu sends the 8 real CBIS-DDSM films as shipped (RLE, odd-length pixel data, each
     view its own StudyInstanceUID): two 4-view studies -> two SRs, each referencing exactly the
     received SOP Instance UIDs, with the boxes and scores of tools/predict.py on the same files;
@@ -241,14 +233,14 @@ def test_real_films_storescu_sr_equals_predict(model, tmp_path):
     copies = sorted(str(p) for p in (tmp_path / "spool" / "incoming").rglob("*.dcm"))
     assert sorted(pydicom.dcmread(p).PixelData for p in copies) == \
         sorted(pydicom.dcmread(p).PixelData for p in films)
-    _assert_boxes_equal_predict(model, copies, dest.srs(), tmp_path / "predict")
+    _assert_boxes_equal_predict(model, copies, dest.srs(), tmp_path / "predict", load_tool)
     sent = _uids(films)
     evidence = [_evidence(sr) for sr in dest.srs()]
     assert sorted(map(len, evidence)) == [4, 4] and set.union(*evidence) == sent
     assert len([d for d in dest.received if d.SOPClassUID != ComprehensiveSRStorage]) == 8
 
 
-def test_transfer_syntaxes_late_arrival_new_version(model, tmp_path):
+def test_transfer_syntaxes_late_arrival_new_version(model, tmp_path, load_tool):
     """A synthetic exam whose views come in JPEG 2000, JPEG-LS, explicit and implicit VR
     (storescu proposes each file's own syntax) to a destination that accepts the SR only in
     implicit VR: the SR arrives in implicit VR, references the 4 UIDs, has predict.py's boxes.
@@ -274,7 +266,7 @@ def test_transfer_syntaxes_late_arrival_new_version(model, tmp_path):
         dest.stop()
     assert set(dest.syntaxes) == {ImplicitVRLittleEndian}
     assert _evidence(first) == _uids(files)
-    _assert_boxes_equal_predict(model, copies, [first], tmp_path / "predict")
+    _assert_boxes_equal_predict(model, copies, [first], tmp_path / "predict", load_tool)
     second = dest.srs()[1]
     assert _evidence(second) == _uids(files) | _uids(late)
     assert second.SeriesInstanceUID == first.SeriesInstanceUID
@@ -448,7 +440,7 @@ def _env():
     return env
 
 
-def test_kill9_mid_association_then_serve_main_restart(model, tmp_path):
+def test_kill9_mid_association_then_serve_main_restart(model, tmp_path, load_tool):
     """tools/serve.py as a real process is killed with SIGKILL while an association is open
     (2 of 4 views stored); serve.main() restarted on the same spool, the sender's re-send of
     all 4 views gives one study, one SR; status.json counts it."""
@@ -476,10 +468,7 @@ def test_kill9_mid_association_then_serve_main_restart(model, tmp_path):
         proc.kill()
         proc.wait()
     assert len(list((spool / "incoming").rglob("*.dcm"))) == 2
-    spec = importlib.util.spec_from_file_location("serve_tool",
-                                                  os.path.join(REPO, "tools", "serve.py"))
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
+    serve = load_tool("serve")
     port = _free_port()
     result = {}
     thread = threading.Thread(target=lambda: result.update(serve.main(

@@ -38,7 +38,7 @@ def test_planted_symlink_in_output_is_refused(tmp_path):
         safe_output_path(out, "img", ".png")
 
 
-def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_path):
+def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_path, load_tool):
     """tools/predict.py on DICOMs whose SOPInstanceUIDs are absolute paths, '..' chains,
     separators and very long strings: every file it writes is inside --out, and each such
     image is refused at read time (not a UID per PS3.5 §9: ``invalid_value``, one line each;
@@ -47,11 +47,10 @@ def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_pa
 
     from detectron2.modeling import build_model
 
-    from braixdet.engine.checkpoint import export_model_only
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
+    from braixdet.utils.checkpoint import export_model_only
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import predict
+    predict = load_tool("predict")
 
     victim = tmp_path / "victim"
     hostile = [str(victim / "abs"), "../../victim/dotdot", "a/b/../../../victim/sep",
@@ -89,8 +88,8 @@ def test_predict_with_hostile_uids_writes_only_inside_out(synthetic_root, tmp_pa
 def _tiny_predictor(tmp_path):
     from detectron2.modeling import build_model
 
-    from braixdet.engine.checkpoint import export_model_only
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
+    from braixdet.utils.checkpoint import export_model_only
 
     cfg_file = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
     cfg = build_cfg(cfg_file, ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "",
@@ -115,14 +114,13 @@ def _one_exam(synthetic_root, tmp_path):
     return inp, uids
 
 
-def test_predict_planted_symlinks_never_followed_run_completes(synthetic_root, tmp_path):
+def test_predict_planted_symlinks_never_followed_run_completes(synthetic_root, tmp_path, load_tool):
     """Issue 21 item 1: a symlinked <uid>.png is one bad-input line (the other overlays and
     predictions.json are written); a symlinked predictions.json / report.json is replaced by
     the real file; no link target is ever written."""
     import json
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import predict
+    predict = load_tool("predict")
 
     inp, uids = _one_exam(synthetic_root, tmp_path)
     cfg_file, weights = _tiny_predictor(tmp_path)

@@ -266,17 +266,16 @@ def _iou(a, b):
     return inter / union if union > 0 else 0.0
 
 
-def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_path):
+def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_path, load_tool):
     """A multi-view detector overfitted briefly on the malignant training images finds their
     lesions again through tools/predict.py, at the lesions' ORIGINAL DICOM pixel positions."""
     from detectron2.data import DatasetCatalog
 
+    from braixdet.config import build_cfg, register_datasets, resolve_cfg
     from braixdet.engine import BRAIxDetTrainer
-    from braixdet.engine.checkpoint import export_model_only
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+    from braixdet.utils.checkpoint import export_model_only
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import predict
+    predict = load_tool("predict")
 
     root = str(synthetic_root.root)
     opts = ["DATASETS.BRAIXDET.ROOT", root, "DATASETS.BRAIXDET.PROTOCOL", "full",
@@ -287,7 +286,8 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
             "SOLVER.BASE_LR", "0.002", "SOLVER.WARMUP_ITERS", "5", "SOLVER.IMS_PER_BATCH", "4",
             "SOLVER.CHECKPOINT_PERIOD", "1000", "TEST.EVAL_PERIOD", "0"]
     cfg = build_cfg(os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"), opts)
-    names = register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
+    names = register_datasets(cfg)
     malignant = [d for d in DatasetCatalog.get(names["train_full"]) if d.get("annotations")]
     assert len(malignant) >= 4
     DatasetCatalog.register("e2e_overfit_malignant", lambda: malignant)
@@ -324,11 +324,10 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
 @pytest.mark.parametrize("configs,first", [("configs", "GradCAM res5 (paper)"),
                                            ("configs/demo", "LayerCAM res4")])
 def test_cam_only_rows_show_the_paper_and_the_localising_heatmap(tmp_path, monkeypatch,
-                                                                 configs, first):
+                                                                 configs, first, load_tool):
     """Whatever Algorithm 1 variant the stage-1 config uses, the CAM-only rows score it first,
     then the paper's GradCAM res5 and LayerCAM res4, each once (issue: show both)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import run_pipeline
+    run_pipeline = load_tool("run_pipeline")
 
     pipe = run_pipeline.Pipeline(run_pipeline.parse_args(
         ["--root", str(tmp_path), "--out", str(tmp_path / "out"), "--methods", "cam_only",
@@ -412,18 +411,14 @@ def test_sigterm_stops_the_stage_and_a_rerun_resumes_to_the_same_table(pipeline_
     assert got == want
 
 
-def run_pipeline_main(argv):
+@pytest.fixture
+def run_pipeline_main(load_tool):
     """tools/run_pipeline.py's main() in this process (its output goes to capsys)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "run_pipeline_tool", os.path.join(REPO, "tools", "run_pipeline.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool.main(argv)
+    return load_tool("run_pipeline").main
 
 
-def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, capsys):
+def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, capsys,
+                                                       run_pipeline_main):
     """Issue 20 item 1: --protocol full (D_w empty) runs through run_pipeline.main(); BRAIxDet
     trains as its supervised multi-view detector on every box, and the pipeline says so.
     Stage 1 (trained on D_s ∪ D_w, the same images under both protocols) is copied."""
@@ -443,7 +438,8 @@ def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, c
         assert math.isfinite(float(m.get("bbox", m)["AP20"]))
 
 
-def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsys):
+def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsys,
+                                                   run_pipeline_main):
     """Issue 22: STAC, Unbiased Teacher and Soft Teacher as rows of run_pipeline.main(), from
     the single-view classifier; STAC labels D_w with the Faster R-CNN row's export (copied here
     with the classifier, so only the three competitors train) and reports its own student."""
@@ -479,11 +475,9 @@ def _readme_commands():
     return cmds
 
 
-def test_readme_pipeline_commands_parse_and_name_existing_configs():
+def test_readme_pipeline_commands_parse_and_name_existing_configs(load_tool):
     """The README's tools/ commands parse with today's parsers; the pipeline ones name methods
     and config files that exist (a renamed flag or method fails here, not on a user's run)."""
-    import importlib.util
-
     from detectron2.engine import default_argument_parser
 
     from braixdet.pipeline import METHODS, STAGE1, Pipeline
@@ -496,10 +490,7 @@ def test_readme_pipeline_commands_parse_and_name_existing_configs():
             args = default_argument_parser().parse_args(argv)
             assert os.path.exists(os.path.join(REPO, args.config_file))
             continue
-        spec = importlib.util.spec_from_file_location(
-            f"readme_{tool}", os.path.join(REPO, "tools", tool + ".py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = load_tool(tool)
         if not hasattr(mod, "parse_args"):
             continue  # parsed inside main(): covered by its own tests
         args = mod.parse_args(argv)
@@ -707,3 +698,26 @@ def test_a_cluster_job_runs_its_stage_only_from_the_stages_it_waits_for(monkeypa
             with pytest.raises(StageFailed, match="stage classifier_single_view of .* not done"):
                 pipe.run_job(job, plan) if job != "summary" else pipe.run_all()
     assert trained == [("braixdet", str(tmp_path / "o" / "mvccl" / "model_final.pth"))]
+
+
+def test_full_protocol_counts_d_w_from_the_split_a_run_wrote(synthetic_root, tmp_path,
+                                                              monkeypatch):
+    """Issue 30: under --protocol full the parent pipeline asks whether D_w holds an image. It
+    loads the dataset only while no run has written the split (the stage-1 run writes it to
+    <out>/splits); after that it counts D_w in the split file, reading no image."""
+    import argparse
+
+    from braixdet.data import register
+    from braixdet.pipeline import Pipeline, add_pipeline_arguments
+
+    loads = []
+    load = register._load_all
+    monkeypatch.setattr(register, "_load_all", lambda spec: loads.append(spec) or load(spec))
+    args = add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
+        "--root", synthetic_root.root, "--protocol", "full", "--out", str(tmp_path / "out"),
+        "--configs", os.path.join(REPO, "configs", "demo"),
+        "--opts", "DATASETS.BRAIXDET.NAME", "dw_count"])
+    assert Pipeline(args).has_weak_images() is False  # CBIS layout: every image has boxes
+    assert len(loads) == 1 and os.path.isfile(loads[0].split_file)
+    assert Pipeline(args).has_weak_images() is False
+    assert len(loads) == 1  # counted in the split file

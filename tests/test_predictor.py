@@ -4,7 +4,6 @@ import importlib.resources
 import json
 import os
 import shutil
-import sys
 import warnings
 
 import numpy as np
@@ -15,15 +14,15 @@ from detectron2.checkpoint import DetectionCheckpointer
 from detectron2.evaluation import DatasetEvaluator, inference_on_dataset
 from detectron2.modeling import build_model
 
+from braixdet.config import build_cfg, register_datasets, resolve_cfg
 from braixdet.data.build import build_multiview_test_loader, get_dicts
 from braixdet.data.dicom import DicomMeta, pseudonymise, read_dicom_meta
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.data.report import BadInputReport
 from braixdet.engine import ExamPredictor, predict_outputs
-from braixdet.engine.checkpoint import export_model_only
 from braixdet.engine.predictor import group_exams, pair_exam
-from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 from braixdet.evaluation.sr import read_sr_findings
+from braixdet.utils.checkpoint import export_model_only
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
@@ -42,7 +41,8 @@ def setup(synthetic_root, tmp_path_factory):
             "DATASETS.BRAIXDET.SPLIT_DIR", str(tmp / "splits"), "OUTPUT_DIR", str(tmp / "o"),
             "INPUT.BRAIXDET.CACHE_DIR", str(tmp / "eval_cache"), *TINY]
     cfg = build_cfg(DEMO, opts)
-    names = register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
+    names = register_datasets(cfg)
     cfg.freeze()
     torch.manual_seed(0)
     weights = export_model_only(build_model(cfg), str(tmp / "w.pth"))
@@ -161,11 +161,10 @@ def test_exam_grouping_and_pairing_from_tags():
     assert report.counts["aux_missing"] == 3
 
 
-def test_unreadable_files_are_reported_and_the_others_predicted(setup, tmp_path):
+def test_unreadable_files_are_reported_and_the_others_predicted(setup, tmp_path, load_tool):
     """A non-DICOM file and a DICOM whose pixel data is cut off, among good files of one exam:
     one report line each; the others predicted (the cut file's partner without aux)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import predict
+    predict = load_tool("predict")
 
     exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
     good = sorted(exam.iterdir())
@@ -210,14 +209,7 @@ def test_private_cache_folder_is_removed_on_close(setup):
     assert not os.path.exists(os.path.dirname(root))
 
 
-def _predict_tool():
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import predict
-
-    return predict
-
-
-def test_duplicate_sop_uid_gives_one_record_and_file_per_input(setup, tmp_path):
+def test_duplicate_sop_uid_gives_one_record_and_file_per_input(setup, tmp_path, load_tool):
     """Two files with the same SOPInstanceUID: two records with distinct record_ids (the second
     suffixed), two overlays, the duplicate counted in report.json."""
     exam = sorted(p for p in setup["exams"].iterdir() if len(list(p.iterdir())) == 4)[0]
@@ -226,7 +218,7 @@ def test_duplicate_sop_uid_gives_one_record_and_file_per_input(setup, tmp_path):
     first = sorted(inp.iterdir())[0]
     shutil.copyfile(first, inp / "zz_copy.dcm")
     out = tmp_path / "out"
-    records = _predict_tool().main([
+    records = load_tool("predict").main([
         "--config-file", DEMO, "--weights", setup["weights"], "--input", str(inp), "--out",
         str(out), "--format", "json", "--workers", "0", *TINY])
     uid = read_dicom_meta(first).sop_uid
@@ -304,13 +296,13 @@ def test_real_files_exam_predictor(setup):
         assert partner[aux] == main and side[aux] == side[main] and aux != main
 
 
-def test_real_files_predict_tool(setup, tmp_path, capfd):
+def test_real_files_predict_tool(setup, tmp_path, capfd, load_tool):
     """tools/predict.py main() on the 8 real files: predictions with breast and exam scores
     (max detection score), one SR per exam whose boxes and references match the JSON,
     overlays; no patient identifier in the JSON, report, file names or console output."""
     files = _real_files()
     out = tmp_path / "out"
-    _predict_tool().main(["--config-file", DEMO, "--weights", setup["weights"], "--input",
+    load_tool("predict").main(["--config-file", DEMO, "--weights", setup["weights"], "--input",
                           *files, "--out", str(out), "--score-thresh", "0.3", "--format",
                           "both", *TINY,
                           "INPUT.BRAIXDET.CACHE_DIR", str(setup["tmp"] / "eval_cache")])
@@ -344,7 +336,7 @@ def test_real_files_predict_tool(setup, tmp_path, capfd):
     assert str(sr_ds.PatientID) in _identities(files)  # the SR carries the source identity
 
 
-def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
+def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path, load_tool):
     """--format sr --sr-pseudonymise MAP --views-csv: a views CSV putting each breast in its own
     exam gives 2 exams, 2 de-identified SRs (the mapping file's pseudonym) and no
     predictions.json."""
@@ -354,7 +346,7 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
     csv.write_text("file,laterality,view,exam\n" + "".join(
         f"{f.name},,,breast-{read_dicom_meta(f).laterality}\n" for f in files))
     out = tmp_path / "out"
-    _predict_tool().main([
+    load_tool("predict").main([
         "--config-file", DEMO, "--weights", setup["weights"], "--input", str(exam), "--out",
         str(out), "--format", "sr", "--sr-pseudonymise", str(tmp_path / "map.json"),
         "--views-csv", str(csv),
@@ -373,8 +365,8 @@ def test_predict_tool_sr_only_pseudonymised_with_views_csv(setup, tmp_path):
         assert len({f["sop_instance_uid"] for f in read_sr_findings(ds)}) == 2  # one breast
 
 
-def test_missing_or_invalid_study_uid_is_one_line_and_every_other_image_predicted(setup,
-                                                                                  tmp_path):
+def test_missing_or_invalid_study_uid_is_one_line_and_every_other_image_predicted(
+        setup, tmp_path, load_tool):
     """Issue 29 items 2 and 5, through tools/predict.py --format both: one image without
     StudyInstanceUID (before: AttributeError, exit 1, nothing predicted) and one whose UID is
     ``1.2.abc`` (before: copied into the SR) are one report line each; the other images of the
@@ -394,7 +386,7 @@ def test_missing_or_invalid_study_uid_is_one_line_and_every_other_image_predicte
             warnings.simplefilter("ignore")  # pydicom warns when writing the crafted UID
             ds.save_as(path)
     out = tmp_path / "out"
-    records = _predict_tool().main([
+    records = load_tool("predict").main([
         "--config-file", DEMO, "--weights", setup["weights"], "--input", str(inp), "--out",
         str(out), "--format", "both", "--no-overlays", "--workers", "0", "--score-thresh",
         "0.99", *TINY])  # few findings: highdicom builds ~100/s

@@ -1,34 +1,26 @@
 """tools/prepare_dataset.py through its main() on the session's synthetic CBIS-DDSM dataset:
 complete, sharded, resumable, and exactly the entries the training mapper reads."""
-import importlib.util
 import json
 import logging
 import os
-import sys
 
 import numpy as np
 import pytest
 from _train_helpers import REPO, tree_digest
 from detectron2.data import DatasetCatalog
 
+from braixdet.config import build_cfg, register_datasets, resolve_cfg
 from braixdet.data.cache import CanonicalCache
 from braixdet.data.mapper import MultiViewDatasetMapper, default_cache_dir
 from braixdet.data.preprocess import PreprocessParams
-from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
 CONFIG = os.path.join(REPO, "configs", "BRAIxDet", "braixdet.yaml")  # the README's command
 TINY = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNSAMPLE", "2"]
 
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location(
-        "prepare_dataset_tool", os.path.join(REPO, "tools", "prepare_dataset.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # the worker pool pickles its functions by module name
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def tool(load_tool):
+    return load_tool("prepare_dataset")
 
 
 def _opts(root, out, cache_dir=None):
@@ -65,7 +57,8 @@ def test_prepare_dataset_sharded_resumable_and_read_by_the_mapper(tool, syntheti
               + _opts(root, out_a, cache_a))
     assert s["bad"] == 0 and s["already_cached"] == 0 and s["computed"] == s["images"] > 0
     cfg = build_cfg(CONFIG, _opts(root, out_a, cache_a))
-    names = register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
+    names = register_datasets(cfg)
     params = PreprocessParams.from_cfg(cfg)
     fmt = cfg.INPUT.BRAIXDET.CACHE_FORMAT
     cache = CanonicalCache(cache_a, params, fmt=fmt)

@@ -200,14 +200,8 @@ def test_cache_computes_once_and_never_writes_beside_input(tmp_path, fmt):
         cache.get(data / "bad.dcm", "L")
 
 
-def test_prepare_tool_shards_and_reports(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "prepare_dataset", os.path.join(os.path.dirname(__file__), "..", "tools",
-                                        "prepare_dataset.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+def test_prepare_tool_shards_and_reports(tmp_path, load_tool):
+    tool = load_tool("prepare_dataset")
     items = [(_mammo_dicom(tmp_path / f"{i}.dcm", "left", i), "L") for i in range(3)]
     (tmp_path / "broken.dcm").write_bytes(b"\0" * 10)
     items = sorted(items + [(str(tmp_path / "broken.dcm"), "L")])

@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 
-from braixdet.engine.setup import build_cfg
+from braixdet.config import build_cfg
 from braixdet.modeling.backbone import encoder_init
 from braixdet.modeling.pretrained import (
     PRETRAINED_SOURCES,

@@ -4,10 +4,9 @@ import json
 import os
 
 import pytest
-from detectron2.config import get_cfg
 from detectron2.data import DatasetCatalog, MetadataCatalog
 
-from braixdet.config import add_braixdet_config
+from braixdet.config import build_cfg
 from braixdet.data.protocols import compute_split, parse_ratio, ratio_tag, split_dataset
 from braixdet.data.register import register_braixdet_datasets, register_from_cfg
 
@@ -243,11 +242,11 @@ def test_register_and_dataset_folder_untouched(synthetic_root, tmp_path):
 
 
 def test_register_from_cfg(synthetic_root, tmp_path):
-    cfg = add_braixdet_config(get_cfg())
-    cfg.OUTPUT_DIR = str(tmp_path / "out")
-    b = cfg.DATASETS.BRAIXDET
-    b.FORMAT, b.ROOT, b.CSV, b.NAME, b.PROTOCOL, b.SEED = (
-        "exam_csv", synthetic_root.root, "exams.csv", "synthcfg", "full", 2)
+    cfg = build_cfg(opts=["OUTPUT_DIR", str(tmp_path / "out"), "DATASETS.BRAIXDET.FORMAT",
+                          "exam_csv", "DATASETS.BRAIXDET.ROOT", synthetic_root.root,
+                          "DATASETS.BRAIXDET.CSV", "exams.csv", "DATASETS.BRAIXDET.NAME",
+                          "synthcfg", "DATASETS.BRAIXDET.PROTOCOL", "full",
+                          "DATASETS.BRAIXDET.SEED", "2"])
     names = register_from_cfg(cfg)
     assert names["train_full"] == "synthcfg_train_full_full_s2"
     weak = DatasetCatalog.get(names["train_weak"])
@@ -309,7 +308,7 @@ def test_pipeline_passes_any_ratio_spelling_the_config_accepts(tmp_path, ratio, 
     which yacs refused (type mismatch with the string key): the pipeline passes "p/q"."""
     import argparse
 
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
     from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
 
     args = add_pipeline_arguments(argparse.ArgumentParser()).parse_args(

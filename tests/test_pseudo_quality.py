@@ -92,13 +92,13 @@ def weak(tmp_path_factory, synthetic_root):
     generator's truth (malignant boxes per mammogram, by absolute path)."""
     from detectron2.data import DatasetCatalog
 
+    from braixdet.config import build_cfg, resolve_cfg
     from braixdet.data.cache import CanonicalCache
     from braixdet.data.preprocess import PreprocessParams
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
 
     d = tmp_path_factory.mktemp("box_sources")
     cfg = build_cfg(CONFIGS["braixdet"], tiny_opts(synthetic_root.root, d / "out", d / "cache"))
-    register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
     dicts = DatasetCatalog.get(cfg.DATASETS.TRAIN_WEAK[0])
     truth = {os.path.join(synthetic_root.root, t["path"]):
              [les["bbox"] for les in t["lesions"] if les["malignant"]]
@@ -140,7 +140,7 @@ def test_random_source_inside_the_breast_and_reproducible(weak):
 def test_oracle_rows_and_refused_settings(weak):
     """The pipeline rows set the source on the paper's BRAIxDet config; settings that would do
     nothing with a non-GradCAM source are refused with one line."""
-    from braixdet.engine.setup import build_cfg
+    from braixdet.config import build_cfg
     from braixdet.pipeline.methods import METHODS
     from braixdet.ssl.box_sources import source_lookup
 
@@ -155,7 +155,8 @@ def test_oracle_rows_and_refused_settings(weak):
             with pytest.raises(ValueError, match="known boxes"):
                 source_lookup(cfg, [], lambda: None, 0)
     base = os.path.join(repo, "configs", "demo", "BRAIxDet", "braixdet.yaml")
-    for opts, msg in ((["SSL.CAM_BOX_SOURCE", "truth"], "must be one of"),
+    # an unknown source is refused when the config is built (config/checks.py)
+    for opts, msg in ((["SSL.CAM_BOX_SOURCE", "truth"], "allowed: one of 'gradcam'"),
                       (["SSL.CAM_BOX_SOURCE", "oracle", "SSL.CAM_JSON", "x.json"], "GradCAM"),
                       (["SSL.CAM_BOX_SOURCE", "oracle", "SSL.USE_CAM", "False"], "USE_CAM")):
         with pytest.raises(ValueError, match=msg):

@@ -30,9 +30,10 @@ from _train_helpers import (
 )
 from detectron2.modeling import build_model
 
+from braixdet.config import build_cfg, resolve_cfg
 from braixdet.engine.checkpoint import AtomicCheckpointer
-from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
 from braixdet.ssl.ema import unwrap
+from braixdet.utils.checkpoint import load_inference_weights
 
 KILL_ITERS = 8
 CAM_ITERS = 4  # the CAM-fusion -> teacher-only boundary falls inside the killed/resumed run
@@ -54,7 +55,7 @@ def work(tmp_path_factory, synthetic_root):
     # digest of the (read-only) dataset folder before anything in this module ran
     ns.root_digest = tree_digest(ns.root)
     probe = build_cfg(CONFIGS["braixdet"], _opts(ns, d / "probe", "braixdet"))
-    register_and_assign_datasets(probe)
+    probe = resolve_cfg(probe)
     ns.weak_name = probe.DATASETS.TRAIN_WEAK[0]
     ns.cam = weak_cam_json(d / "cam.json", ns.weak_name)
     return ns
@@ -194,8 +195,7 @@ def test_diverging_lr_stops_stage1_with_iteration_and_term(work):
 LAUNCHER = """
 import json, os, sys
 import torch
-sys.path.insert(0, {tools!r})
-import train_net
+from braixdet.pipeline import train_net  # what tools/train_net.py runs
 from detectron2.engine import default_argument_parser, launch
 from detectron2.utils import comm
 from braixdet.engine import trainer_class
@@ -319,14 +319,11 @@ def test_dataset_folder_never_written(work):
 
 # ------------------------------------------------------------------------------ GradCAM resume
 def _gradcam_main(synthetic_root, tmp_path, out, extra=()):
-    """tools/gradcam_pseudo_labels.py main() in this process on random classifier weights."""
-    import importlib
-    import sys
+    """tools/gradcam_pseudo_labels.py's main() (the package's entry point) in this process on
+    random classifier weights."""
+    from braixdet.pipeline import gradcam_pseudo_labels as tool
+    from braixdet.utils.checkpoint import export_model_only
 
-    from braixdet.engine.checkpoint import export_model_only
-
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    tool = importlib.import_module("gradcam_pseudo_labels")
     opts = tiny_opts(synthetic_root.root, tmp_path / "o", tmp_path / "cache", stage="mvccl",
                      extra=["MODEL.BRAIXDET.PRETRAINED", "", "INPUT.BRAIXDET.MASK_DOWNSAMPLE",
                             "2", *extra])

@@ -11,7 +11,7 @@ import os
 import torch
 from _train_helpers import assert_state_equal, build_trainer, load_ckpt, run_train_net, tiny_opts
 
-from braixdet.engine.setup import build_cfg
+from braixdet.config import build_cfg
 
 
 def _test_metrics(out):

@@ -11,8 +11,8 @@ from _train_helpers import CONFIGS, assert_state_equal, build_trainer, load_ckpt
 from detectron2.data import DatasetCatalog
 from detectron2.engine.train_loop import HookBase
 
-from braixdet.engine.schedule import resolve_schedule
-from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+from braixdet.config import build_cfg, resolve_cfg
+from braixdet.config.schedule import resolve_schedule
 from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
 
 
@@ -25,7 +25,7 @@ def work(tmp_path_factory, synthetic_root):
 def _cfg(work, stage, extra=()):
     opts = tiny_opts(work.root, work.dir / stage, work.cache, stage=stage, extra=extra)
     cfg = build_cfg(CONFIGS[stage], opts)
-    register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
     return cfg
 
 
@@ -230,7 +230,7 @@ def test_plateau_can_follow_the_validation_bce(work):
     detectron2's LRScheduler hook among the trainer's hooks."""
     from detectron2.engine.hooks import LRScheduler
 
-    from braixdet.engine.schedule import validation_metric
+    from braixdet.config.schedule import validation_metric
 
     val = "cbis_ddsm_val_s0"
     extra = ["DATASETS.BRAIXDET.PROTOCOL", "full", "DATASETS.TEST", repr((val, "cbis_ddsm_test")),

@@ -8,7 +8,6 @@ from detectron2.structures import Boxes, Instances
 from timm.layers import BatchNormAct2d
 from torch import nn
 
-from braixdet.engine.runtime import end_distributed
 from braixdet.ssl import (
     apply_bn_mode,
     build_teacher,
@@ -21,6 +20,7 @@ from braixdet.ssl import (
     unwrap,
 )
 from braixdet.ssl.ema import bn_layers_in_train_mode
+from braixdet.utils.runtime import end_distributed
 
 ALPHA = 0.9
 

@@ -25,8 +25,8 @@ from detectron2.engine.train_loop import HookBase
 from detectron2.modeling import build_model
 
 from braixdet.data.build import build_multiview_test_loader
-from braixdet.engine.checkpoint import export_model_only
 from braixdet.ssl.ema import unwrap
+from braixdet.utils.checkpoint import export_model_only
 
 N_ITER = 6  # straight runs; resumed runs stop after 3 and continue to 6
 HALF = 3
@@ -162,11 +162,11 @@ def ssl_run(work, stage1):
     shows it changes no weight)."""
     from _train_helpers import CONFIGS
 
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+    from braixdet.config import build_cfg, resolve_cfg
 
     cam = work.dir / "cam.json"
     probe = build_cfg(CONFIGS["braixdet"], _opts(work, work.dir / "probe", "braixdet"))
-    register_and_assign_datasets(probe)
+    probe = resolve_cfg(probe)
     weak_cam_json(cam, probe.DATASETS.TRAIN_WEAK[0])
 
     opts = _opts(work, work.dir / "ssl", "braixdet", max_iter=N_ITER, ckpt_period=HALF,
@@ -189,11 +189,11 @@ def test_cam_view_agreement_filters_the_boxes_stage2_reads(work, stage1):
     from _train_helpers import CONFIGS
     from detectron2.data import DatasetCatalog
 
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
-    from braixdet.ssl.cam_boxes import view_agreement_filter
+    from braixdet.cam import view_agreement_filter
+    from braixdet.config import build_cfg, resolve_cfg
 
     probe = build_cfg(CONFIGS["braixdet"], _opts(work, work.dir / "probe_va", "braixdet"))
-    register_and_assign_datasets(probe)
+    probe = resolve_cfg(probe)
     weak = probe.DATASETS.TRAIN_WEAK[0]
     cam = weak_cam_json(work.dir / "cam_va.json", weak)
     data = json.loads(cam.read_text())
@@ -252,10 +252,10 @@ def test_cam_box_sources_reach_algorithm2(work, stage1, synthetic_root):
 def build_cfg_registered(work, name):
     from _train_helpers import CONFIGS
 
-    from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+    from braixdet.config import build_cfg, resolve_cfg
 
     cfg = build_cfg(CONFIGS["braixdet"], _opts(work, work.dir / name, "braixdet"))
-    register_and_assign_datasets(cfg)
+    cfg = resolve_cfg(cfg)
     return cfg
 
 
@@ -369,3 +369,38 @@ def test_supervised_single_view_baseline(work):
     assert sorted(losses) == [0, 1, 2]
     assert all(math.isfinite(v) and v > 0 for v in losses.values()), losses
     assert os.path.isfile(os.path.join(t.cfg.OUTPUT_DIR, "model_final.pth"))
+
+
+# ------------------------------------------------------------------------------ config.yaml
+def test_run_reproduced_from_its_own_config_yaml(work):
+    """A run's OUTPUT_DIR/config.yaml records what ran (the iterations its epochs came to, the
+    ratio as parsed, the split folder, the datasets), so training again from that file alone,
+    nothing but OUTPUT_DIR on the command line, gives bit-identical weights. (tools/train_net.py
+    in this process: its cli.)"""
+    import yaml
+    from _train_helpers import CONFIGS
+
+    from braixdet.pipeline.train_net import cli
+
+    first, again = work.dir / "from_epochs", work.dir / "from_config_yaml"
+    # 1e-6 epochs: one iteration (the schedule's minimum), decided by the epoch set's size
+    opts = _opts(work, first, "mvccl", max_iter=-1, ckpt_period=-1, extra=[
+        "SOLVER.BRAIXDET.EPOCHS", "1e-6", "TEST.EVAL_PERIOD", "-1",
+        "DATASETS.BRAIXDET.RATIO", "2/4", "DATASETS.BRAIXDET.SPLIT_DIR", "",
+        "DATASETS.TEST", '("cbis_ddsm_val_s0",)'])
+    assert cli(["--config-file", CONFIGS["mvccl"], *map(str, opts)]) == 0
+    with open(first / "config.yaml") as f:
+        written = yaml.safe_load(f)
+    s = written["SOLVER"]
+    assert (s["MAX_ITER"], s["CHECKPOINT_PERIOD"]) == (1, written["TEST"]["EVAL_PERIOD"]) and \
+        s["CHECKPOINT_PERIOD"] > 0
+    b = written["DATASETS"]["BRAIXDET"]
+    assert (b["RATIO"], b["SPLIT_DIR"]) == ("1/2", str(first / "splits"))
+    assert written["DATASETS"]["TRAIN"] == ["cbis_ddsm_train_all_s0"]
+    assert load_ckpt(first / "model_final.pth")["iteration"] == 0
+
+    assert cli(["--config-file", str(first / "config.yaml"), "OUTPUT_DIR", str(again)]) == 0
+    with open(again / "config.yaml") as f:
+        assert yaml.safe_load(f) == dict(written, OUTPUT_DIR=str(again))
+    assert_state_equal(load_ckpt(first / "model_final.pth")["model"],
+                       load_ckpt(again / "model_final.pth")["model"], "weights")

@@ -18,9 +18,9 @@ import sys
 
 from detectron2.utils.logger import setup_logger
 
+from braixdet.config import build_cfg
 from braixdet.engine.predict_outputs import FORMATS, predict_to_folder
 from braixdet.engine.preflight import run_tool
-from braixdet.engine.setup import build_cfg
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@ Examples:
   python tools/prepare_dataset.py --format cbis_ddsm --root /data/CBIS-DDSM \\
       --cache-dir /scratch/cache --size 1536 768 --shard 1/4
 
-What it registers, skips and writes: braixdet/data/prepare.py. Resumable: files whose cache
+What it registers, skips and writes: braixdet/pipeline/prepare.py. Resumable: files whose cache
 entry exists are skipped. Bad files are counted and listed one line each. The dataset folder is
 only read.
 """
@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from braixdet.data.prepare import build_prepare_cfg, prepare, run, shard  # noqa: F401 - API
+from braixdet.pipeline.prepare import build_prepare_cfg, prepare, run, shard  # noqa: F401 - API
 
 
 def parse_args(argv=None):

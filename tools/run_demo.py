@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The README's main job: the whole BRAIxDet method on a synthetic DICOM dataset, on a CPU.
 
-  make demo            (about 20 min on 2 cores)      make demo QUICK=1   (about 3 min)
+  make demo            (about 13 min on 2 cores)      make demo QUICK=1   (about 2 min)
   python tools/run_demo.py --seeds 0 1 2               (3 seeds, every row incl. competitors:
-                                                       the table as mean ± std, about 70 min)
+                                                       the table as mean ± std, about 87 min)
+Measured run times: docs/RESULTS.md §1.0a and §1.7.
 
 What it runs and writes: braixdet/pipeline/demo.py. One seed shows no spread: rows within the
 seed spread are not ranked. SIGTERM/SIGINT stop the running stage; `--resume` continues.
@@ -19,7 +20,7 @@ from braixdet.pipeline.methods import CAM_ONLY, METHODS
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out")
-    ap.add_argument("--quick", action="store_true", help="tiny run (about 3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="tiny run (about 2 minutes)")
     seeds = ap.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, help="one seed (default 0)")
     seeds.add_argument("--seeds", nargs="+", type=int,

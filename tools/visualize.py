@@ -49,11 +49,11 @@ def main(argv=None):
     preds = load_predictions(args.predictions) if args.predictions else {}
     params = cfg = None
     if args.config_file or args.dataset:
-        from braixdet.engine.setup import build_cfg, register_and_assign_datasets
+        from braixdet.config import build_cfg, register_datasets
 
         cfg = build_cfg(args.config_file, args.opts)
         if args.dataset:
-            register_and_assign_datasets(cfg)
+            register_datasets(cfg)
     if args.canonical:
         from braixdet.data.preprocess import PreprocessParams
 

@@ -8,6 +8,9 @@ written down before any semi-supervised run (docs/RESULTS.md §10, where every t
 its numbers are listed). ``benchmarks/experiment_benchmark_regime.py`` generates one and runs
 those rows.
 """
+import inspect
+
+from .write import make_synthetic_dataset
 
 _HARD = dict(image_size=(512, 256), lesion_rate=0.7, malignant_fraction=0.5, separation=1.5,
              texture_beta=3.0, texture_strength=0.05, contrast_scale=0.6, vessels=2.0,
@@ -22,10 +25,6 @@ REGIMES = {
 def regime(name, **overrides):
     """The settings of regime ``name`` with ``overrides`` applied (keys of
     make_synthetic_dataset); a clear error for an unknown name or key."""
-    import inspect
-
-    from .write import make_synthetic_dataset
-
     if name not in REGIMES:
         raise ValueError(f"unknown regime {name!r}; known: {', '.join(sorted(REGIMES))}")
     known = set(inspect.signature(make_synthetic_dataset).parameters)

@@ -20,6 +20,7 @@ from detectron2.data.samplers import InferenceSampler
 from detectron2.utils import comm
 
 from .mapper import MultiViewDatasetMapper
+from .register import register_from_cfg
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,6 @@ def two_stream_names(cfg, full_names=None, weak_names=None):
     full_names = list(full_names or cfg.DATASETS.TRAIN)
     weak_names = list(weak_names or cfg.DATASETS.TRAIN_WEAK)
     if not weak_names or not full_names:
-        from .register import register_from_cfg
-
         names = register_from_cfg(cfg)
         full_names = full_names or [names["train_full"]]
         weak_names = weak_names or [names["train_weak"]]

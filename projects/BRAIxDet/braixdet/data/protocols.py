@@ -133,6 +133,25 @@ def compute_split(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0
             "val": ids(val), "test": ids(test), "test_cls": ids(test_all)}
 
 
+def saved_split_ids(split_file, protocol="partial", ratio="1/8", seed=0, val_fraction=0.1,
+                    test_images="full"):
+    """{role: image ids} of ``split_file`` when it was written with these parameters (by an
+    earlier ``split_dataset``), without reading the dataset; None otherwise. Whether the dataset
+    is still the one it was computed on (its fingerprint) is not checked: that needs its image
+    list, which is what this avoids loading."""
+    try:
+        with open(split_file) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    want = _params([], protocol, ratio, seed, val_fraction, test_images)
+    got = dict(saved.get("params") or {})
+    if {k: v for k, v in got.items() if k != "dataset"} != \
+            {k: v for k, v in want.items() if k != "dataset"}:
+        return None
+    return {k: saved[k] for k in ROLES if k in saved}
+
+
 def split_dataset(dicts, protocol="partial", ratio="1/8", seed=0, val_fraction=0.1,
                   split_file=None, test_images="full"):
     """Dataset dicts per role (``ROLES``, see the module docstring).

@@ -18,7 +18,7 @@ from detectron2.data import DatasetCatalog, MetadataCatalog
 
 from .datasets import LOADERS
 from .datasets.common import is_under
-from .protocols import ROLES, TEST_IMAGES, parse_ratio, ratio_tag, split_dataset
+from .protocols import ROLES, TEST_IMAGES, parse_ratio, ratio_tag, saved_split_ids, split_dataset
 from .report import BadInputReport
 
 logger = logging.getLogger(__name__)
@@ -77,15 +77,17 @@ class RegistrationSpec:
             raise ValueError(f"unknown dataset format {fmt!r}; one of {sorted(LOADERS)}")
         if not root or not os.path.isdir(root):
             raise FileNotFoundError(f"dataset root {root!r} is not a folder")
-        if protocol == "partial":
-            parse_ratio(ratio)  # fail early on a bad ratio
         root = os.path.abspath(root)
         name = name or fmt
         seed = int(seed)
-        split_dir = os.path.abspath(split_dir or os.path.join("output", "splits"))
+        if not split_dir:  # a config's default is decided by config.build_cfg
+            raise ValueError("split_dir is required: the folder for the split JSON and the "
+                             "bad-input report (outside the dataset root)")
+        split_dir = os.path.abspath(split_dir)
         if is_under(split_dir, root):
             raise ValueError(f"split_dir {split_dir} is inside the dataset root (read only)")
-        # only the partial protocol has a ratio (ratio_tag names the others by protocol)
+        # only the partial protocol has a ratio (ratio_tag names the others by protocol); a bad
+        # one fails here, before anything is loaded
         ratio = "1" if protocol != "partial" else str(parse_ratio(ratio))
         return cls(format=fmt, root=root, csv=csv, name=name, protocol=protocol, ratio=ratio,
                    seed=seed, val_fraction=float(val_fraction), split_dir=split_dir,
@@ -95,12 +97,12 @@ class RegistrationSpec:
 
     @classmethod
     def from_cfg(cls, cfg):
-        """From cfg.DATASETS.BRAIXDET.* (split dir defaults to OUTPUT_DIR/splits)."""
+        """From cfg.DATASETS.BRAIXDET.* of a config from config.build_cfg (which decides the
+        split folder)."""
         b = cfg.DATASETS.BRAIXDET
         return cls.from_args(
             b.FORMAT, b.ROOT, name=b.NAME or None, protocol=b.PROTOCOL, ratio=b.RATIO,
-            seed=b.SEED, val_fraction=b.VAL_FRACTION,
-            split_dir=b.SPLIT_DIR or os.path.join(cfg.OUTPUT_DIR, "splits"),
+            seed=b.SEED, val_fraction=b.VAL_FRACTION, split_dir=b.SPLIT_DIR,
             on_bad_input=b.ON_BAD_INPUT, csv=b.CSV or None,
             malignant_birads=tuple(b.VINDR_MALIGNANT_BIRADS),
             allow_for_processing=cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING,
@@ -118,6 +120,12 @@ class RegistrationSpec:
     @property
     def split_file(self):
         return os.path.join(self.split_dir, f"{self.name}_split_{self.rtag}_s{self.seed}.json")
+
+    def saved_split(self):
+        """{role: image ids} from ``split_file`` when an earlier load of this spec wrote it; None
+        otherwise (protocols.saved_split_ids: nothing of the dataset is read)."""
+        return saved_split_ids(self.split_file, self.protocol, self.ratio, self.seed,
+                               self.val_fraction, self.test_images)
 
     @property
     def report_path(self):

@@ -27,6 +27,8 @@ import io
 import os
 import re
 
+from .report import BadInputError
+
 _VIEWS = {"CC": "CC", "XCCL": "CC", "XCCM": "CC", "XCC": "CC", "CCID": "CC",
           "MLO": "MLO", "ML": "MLO", "LM": "MLO", "LMO": "MLO", "MLOID": "MLO"}
 _LATERALITIES = {"L": "L", "LEFT": "L", "R": "R", "RIGHT": "R"}
@@ -297,8 +299,6 @@ def _decoded_csv(csv_path):
     """The text of a CSV file, decoded as UTF-8 (an optional BOM dropped) before any row is
     parsed: a file that is not UTF-8 is refused in one line naming the first bad byte's offset,
     never read in part."""
-    from .report import BadInputError
-
     try:
         with open(csv_path, "rb") as f:
             raw = f.read()
@@ -319,8 +319,6 @@ def load_views_csv(csv_path, report=None):
     file, nothing to override) is one ``bad_row`` line naming the CSV and its line number: in
     ``report`` (the row is skipped) or, without a report, raised as ``BadInputError``. A file
     that is not UTF-8 is refused whole (``bad_encoding``, with the byte offset)."""
-    from .report import BadInputError  # lazy: keeps this module free of package imports
-
     def bad(line, detail):
         err = BadInputError(csv_path, "bad_row", f"line {line}: {detail}")
         if report is None:

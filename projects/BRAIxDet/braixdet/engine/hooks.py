@@ -29,6 +29,8 @@ import torch
 from detectron2.engine.hooks import LRScheduler as LRSchedulerHook
 from detectron2.engine.train_loop import HookBase
 
+from ..utils.checkpoint import atomic_torch_save
+
 __all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "check_finite_losses"]
 
 logger = logging.getLogger(__name__)
@@ -245,8 +247,6 @@ class BestExportHook(HookBase):
         return value < self.best if self.mode == "min" else value > self.best
 
     def _export(self, iteration, value):
-        from .checkpoint import atomic_torch_save
-
         if comm.is_main_process():
             selected = {"iteration": int(iteration), "metric": self.metric or "",
                         "value": None if value is None else float(value)}

@@ -48,7 +48,7 @@ from ..data.mapper import MultiViewDatasetMapper
 from ..data.pairing import pair_views
 from ..data.report import BadInputError, BadInputReport
 from ..data.views import normalize_laterality, normalize_view
-from .setup import load_inference_weights
+from ..utils.checkpoint import load_inference_weights
 
 __all__ = ["DICOM_SUFFIXES", "Exam", "ExamPredictor", "ImagePrediction", "ViewPair",
            "assign_record_ids", "find_dicoms", "group_exams", "pair_exam", "read_metas"]

@@ -217,11 +217,15 @@ def check_disk_space(cfg, trainer):
 # -- the last line of a failed tool ----------------------------------------------------------------
 def _known():
     """Our one-line errors: the message already names a cause a user can act on."""
+    from ..config import ConfigValueError
     from ..data.report import BadInputError
+    from ..utils.checkpoint import (
+        CheckpointContentError,
+        CheckpointLoadError,
+        CheckpointRefusedError,
+    )
     from ..utils.io import OutputPathRefused, OutputWriteError
-    from .checkpoint import CheckpointContentError, CheckpointLoadError, CheckpointRefusedError
     from .output_lock import OutputDirInUseError
-    from .validate import ConfigValueError
 
     return (PreflightError, ToolError, OutputDirInUseError, CheckpointRefusedError,
             CheckpointLoadError, OutputWriteError, CheckpointContentError, BadInputError,

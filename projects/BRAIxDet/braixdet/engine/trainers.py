@@ -8,7 +8,7 @@ What the base class changes in DefaultTrainer, and why: its own step trainer (re
 iteration for exact resume, a finite-loss check before backward, mixed precision on CPU and GPU:
 detectron2's AMPTrainer is CUDA/fp16 only), a data loader started lazily at the resumed
 iteration, an atomic weights-only checkpointer, and a schedule in epochs
-(``resolve_schedule``). Detectors also keep the model of the best validation evaluation as the
+(config/schedule.py). Detectors also keep the model of the best validation evaluation as the
 exported model (``model_export.pth``). Everything else is builders.
 """
 import logging
@@ -30,6 +30,8 @@ from detectron2.structures import Boxes
 from detectron2.utils import comm
 from detectron2.utils.events import get_event_storage
 
+from ..cam import cam_boxes_in_input_frame
+from ..config import has_weak_images, inference_cfg, resolve_schedule, validation_metric
 from ..data.build import (
     build_multiview_test_loader,
     build_multiview_train_loader,
@@ -39,8 +41,8 @@ from ..data.build import (
 )
 from ..data.mapper import MultiViewDatasetMapper
 from ..evaluation import build_evaluator
+from ..modeling.rcnn import load_classifier_weights_from_cfg
 from ..ssl.box_sources import source_lookup, true_box_lookup
-from ..ssl.cam_boxes import cam_boxes_in_input_frame
 from ..ssl.competitors import (
     build_strong_augment,
     keep_loss_terms,
@@ -56,9 +58,9 @@ from ..ssl.pseudo_labels import (
 )
 from ..ssl.pseudo_quality import QualityWindow
 from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
-from .checkpoint import AtomicCheckpointer, safe_torch_load
+from ..utils.checkpoint import safe_torch_load
+from .checkpoint import AtomicCheckpointer
 from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
-from .schedule import has_weak_images, resolve_schedule, validation_metric
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +115,7 @@ class Precision:
         device_type = "cuda" if str(cfg.MODEL.DEVICE).startswith("cuda") else "cpu"
         if not cfg.SOLVER.AMP.ENABLED:
             return cls(device_type, None)
-        want = cfg.SOLVER.BRAIXDET.AMP_DTYPE
-        if want not in ("auto", "bf16", "fp16"):
-            raise ValueError(f"SOLVER.BRAIXDET.AMP_DTYPE must be auto, bf16 or fp16, got {want!r}")
+        want = cfg.SOLVER.BRAIXDET.AMP_DTYPE  # auto | bf16 | fp16 (config/checks.py)
         if want == "auto":
             return cls.auto(device_type)
         return cls(device_type, torch.bfloat16 if want == "bf16" else torch.float16)
@@ -199,13 +199,8 @@ class StudentTeacherStepTrainer(BRAIxStepTrainer):
         self.use_cam, self.nms_thresh = s.USE_CAM and bool(cam_lookup), s.PSEUDO_NMS_THRESH
         self.negative_as_background = s.NEGATIVE_AS_BACKGROUND
         self.score_thresh = s.TEACHER_SCORE_THRESH
-        if s.PSEUDO_LABELS not in ("top1", "threshold"):
-            raise ValueError(f"SSL.PSEUDO_LABELS must be top1 or threshold, got "
-                             f"{s.PSEUDO_LABELS!r}")
-        self.pseudo_mode = s.PSEUDO_LABELS
+        self.pseudo_mode = s.PSEUDO_LABELS  # top1 | threshold (config/checks.py)
         self.strong_aug = build_strong_augment(s.STRONG_AUG_POLICY) if s.STRONG_AUG else None
-        if s.STRONG_AUG_LABELLED and not s.STRONG_AUG:
-            raise ValueError("SSL.STRONG_AUG_LABELLED needs SSL.STRONG_AUG True")
         self.strong_labelled = bool(s.STRONG_AUG_LABELLED)
         self.keep_top = bool(s.PSEUDO_KEEP_TOP)
         self.ema_ramp = bool(s.EMA_RAMP)
@@ -326,7 +321,9 @@ class BRAIxTrainerBase(DefaultTrainer):
     # DetectionCheckpointer with no builder for them: the same steps with ours.
     def __init__(self, cfg):
         TrainerBase.__init__(self)
-        cfg = resolve_schedule(DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size()))
+        # a config from config.resolve_cfg (train_net) is returned as it is; an unresolved one
+        # (in-process use) gets its schedule in iterations here
+        cfg = resolve_schedule(cfg)
         self.cfg = cfg
         model = self.build_model(cfg)
         optimizer = self.build_optimizer(cfg, model)
@@ -366,15 +363,14 @@ class BRAIxTrainerBase(DefaultTrainer):
     def build_optimizer(cls, cfg, model):
         params = get_default_optimizer_params(
             model, base_lr=cfg.SOLVER.BASE_LR, weight_decay_norm=cfg.SOLVER.WEIGHT_DECAY_NORM)
-        name = cfg.SOLVER.BRAIXDET.OPTIMIZER.upper()
-        if name == "ADAM":  # paper: Adam (stage 1 lr 1e-4 wd 1e-6; stage 2 lr 5e-5 wd 1e-5)
+        # ADAM | SGD, any case (config/checks.py)
+        if cfg.SOLVER.BRAIXDET.OPTIMIZER.upper() == "ADAM":
+            # paper: Adam (stage 1 lr 1e-4 wd 1e-6; stage 2 lr 5e-5 wd 1e-5)
             opt_cls, kwargs = torch.optim.Adam, {"weight_decay": cfg.SOLVER.WEIGHT_DECAY}
-        elif name == "SGD":
+        else:
             opt_cls = torch.optim.SGD
             kwargs = {"momentum": cfg.SOLVER.MOMENTUM, "nesterov": cfg.SOLVER.NESTEROV,
                       "weight_decay": cfg.SOLVER.WEIGHT_DECAY}
-        else:
-            raise ValueError(f"SOLVER.BRAIXDET.OPTIMIZER must be ADAM or SGD, got {name!r}")
         return maybe_add_gradient_clipping(cfg, opt_cls)(params, lr=cfg.SOLVER.BASE_LR, **kwargs)
 
     @classmethod
@@ -497,8 +493,6 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
     def build_model(cls, cfg):
         model = super().build_model(cfg)
         if cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER:
-            from ..modeling.rcnn import load_classifier_weights_from_cfg
-
             report = load_classifier_weights_from_cfg(model, cfg)
             logger.info("Initialised from classifier: %d tensors loaded, %d dropped",
                         len(report["loaded"]), len(report["dropped"]))
@@ -516,10 +510,7 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
         test_sets = list(self.cfg.DATASETS.TEST)[1:] if validation_metric(self.cfg) else []
         if not test_sets or hook.exported_iter in (None, hook.last_eval_iter):
             return
-        cfg = self.cfg.clone()
-        cfg.defrost()
-        cfg.MODEL.WEIGHTS = hook.path  # the export provides the encoder: no ImageNet download
-        model = build_model(cfg)
+        model = build_model(inference_cfg(self.cfg, hook.path))
         model.load_state_dict(safe_torch_load(hook.path)["model"])
         logger.info("Test metrics of the exported model (iteration %d):", hook.exported_iter)
         self.test(self.cfg, model.eval(), datasets=test_sets)

@@ -7,7 +7,7 @@ import torch
 from detectron2.data import DatasetCatalog
 from detectron2.structures import Boxes, Instances
 
-from ..ssl.cam_boxes import iter_cam_boxes
+from ..cam import iter_cam_boxes
 from .mammo_evaluator import MammoDetectionEvaluator
 
 

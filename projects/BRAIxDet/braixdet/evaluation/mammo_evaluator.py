@@ -14,6 +14,7 @@ from detectron2.utils.file_io import PathManager
 from detectron2.utils.logger import create_small_table
 from sklearn.metrics import log_loss
 
+from .classification_evaluator import ClassificationEvaluator
 from .exam_scores import breast_exam_auc, image_score
 from .metrics import average_precision, froc
 
@@ -295,8 +296,6 @@ def build_evaluator(cfg, dataset_name, output_dir=None, distributed=True):
     """MVCCLClassifier -> ClassificationEvaluator, any detector -> MammoDetectionEvaluator.
     output_dir defaults to <OUTPUT_DIR>/inference/<dataset_name> (not OUTPUT_DIR itself, where
     detectron2's event writer already owns metrics.json)."""
-    from .classification_evaluator import ClassificationEvaluator
-
     if output_dir is None:
         output_dir = os.path.join(cfg.OUTPUT_DIR, "inference", dataset_name)
     if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":

@@ -24,6 +24,8 @@ from typing import Callable, Dict
 import timm
 import torch
 
+from ..utils.checkpoint import atomic_torch_save, safe_torch_load
+
 __all__ = ["PRETRAINED_SOURCES", "grey_normalization", "check_pixel_normalization",
            "timm_pretrained_kwargs", "lite0_package_state_dict", "convert_lite0_package"]
 
@@ -151,8 +153,6 @@ def convert_lite0_package(cache_dir: str = None) -> str:
     The file name carries a digest of the package file, so another package version converts
     again; the write is atomic (temp file + rename), so concurrent first uses are safe.
     """
-    from ..engine.checkpoint import atomic_torch_save, safe_torch_load
-
     src = _lite0_package_file()
     with open(src, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:10]

@@ -11,6 +11,7 @@ from detectron2.modeling.roi_heads import FastRCNNOutputLayers, StandardROIHeads
 from detectron2.structures import Boxes, ImageList, Instances
 from detectron2.utils.file_io import PathManager
 
+from ..utils.checkpoint import safe_torch_load
 from ..utils.modules import unwrap
 
 __all__ = [
@@ -181,8 +182,6 @@ def load_classifier_weights_from_cfg(detector, cfg) -> Optional[Dict]:
     path = cfg.MODEL.BRAIXDET.INIT_FROM_CLASSIFIER
     if not path:
         return None
-    from ..engine.checkpoint import safe_torch_load  # local: engine imports modeling
-
     with PathManager.open(path, "rb") as f:
         ckpt = safe_torch_load(f)  # one-line CheckpointRefusedError for a crafted pickle
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else ckpt

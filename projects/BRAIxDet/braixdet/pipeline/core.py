@@ -19,7 +19,14 @@ import sys
 import time
 from dataclasses import dataclass
 
+from detectron2.data import DatasetCatalog
+
+from ..config import build_cfg, ratio_string, resolve_cfg
+from ..data.protocols import PROTOCOLS
+from ..data.register import RegistrationSpec, dataset_names, register_from_cfg
+from ..engine.trainers import EXPORT_NAME
 from ..model_zoo import resolve_config_root
+from ..utils.io import atomic_write_json
 from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
 from .results import (
     format_classifiers,
@@ -33,8 +40,6 @@ from .stages import StageFailed, done_marker, is_done, mark_done, read_json, run
 def add_pipeline_arguments(ap, root_required=True):
     """The arguments of one pipeline run (tools/run_pipeline.py; run_experiments/run_demo
     pass theirs through)."""
-    from ..data.protocols import PROTOCOLS
-
     ap.add_argument("--dataset", default="cbis_ddsm",
                     choices=["cbis_ddsm", "vindr_mammo", "exam_csv"])
     ap.add_argument("--root", required=root_required, help="dataset root (read only)")
@@ -93,25 +98,21 @@ class Pipeline:
     def __init__(self, args, job=None):
         """``job``: run that job of ``plan().jobs()`` only (a cluster job): a stage of
         another job that is not done is an error, not trained here. "summary": run nothing."""
-        from ..data.protocols import parse_ratio
-
         self.args = args
         self.out = os.path.abspath(args.out)
         self.python = sys.executable
         self.configs = resolve_config_root(args.configs)
-        # always "p/q": the config reads a bare "1" (--ratio 1, 1.0) as an int and refuses it
-        ratio = parse_ratio(args.ratio)
         self.common = [
             "DATASETS.BRAIXDET.FORMAT", args.dataset, "DATASETS.BRAIXDET.ROOT", args.root,
             "DATASETS.BRAIXDET.CSV", args.csv, "DATASETS.BRAIXDET.PROTOCOL", args.protocol,
-            "DATASETS.BRAIXDET.RATIO", f"{ratio.numerator}/{ratio.denominator}",
+            "DATASETS.BRAIXDET.RATIO", ratio_string(args.ratio),
             "DATASETS.BRAIXDET.SEED", str(args.seed),
             "DATASETS.BRAIXDET.SPLIT_DIR", os.path.join(self.out, "splits"),
             "INPUT.BRAIXDET.CACHE_DIR", os.path.join(self.out, "cache"), "SEED", str(args.seed),
         ] + list(args.opts)
         self.timings, self.cpu_timings = {}, {}  # stage -> seconds (wall, CPU)
         self.row_stage = {}  # table row -> the stage that trained or scored it (its run time)
-        self._names = None
+        self._stage1_cfg = None
         self.no_weak = False  # the full protocol on a source without weak cases (plan)
         self.job = job
 
@@ -143,28 +144,28 @@ class Pipeline:
         return ["--num-gpus", str(a.num_gpus), "--num-machines", str(a.num_machines),
                 "--machine-rank", str(a.machine_rank), "--dist-url", a.dist_url]
 
-    def names(self):
-        """{role: registered dataset name} (data/register.py), from the stage-1 config with
-        this run's overrides."""
-        if self._names is None:
-            from ..data.register import dataset_names
-            from ..engine.setup import build_cfg
+    def stage1_cfg(self):
+        """The stage-1 config with this run's overrides, as its stages build it; built once
+        (dataset names, D_w, Algorithm 1's settings)."""
+        if self._stage1_cfg is None:
+            self._stage1_cfg = build_cfg(self.config(STAGE1["mvccl"]), [
+                *self.common, "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts])
+        return self._stage1_cfg
 
-            b = build_cfg(self.config(STAGE1["mvccl"]),
-                          [*self.common, *self.args.stage1_opts]).DATASETS.BRAIXDET
-            self._names = dataset_names(b.NAME or b.FORMAT, b.PROTOCOL, b.RATIO, b.SEED,
-                                        b.get("TEST_IMAGES", "full"))
-        return self._names
+    def names(self):
+        """{role: registered dataset name} (data/register.py) of this run's dataset."""
+        b = self.stage1_cfg().DATASETS.BRAIXDET
+        return dataset_names(b.NAME or b.FORMAT, b.PROTOCOL, b.RATIO, b.SEED, b.TEST_IMAGES)
 
     def has_weak_images(self):
-        """Whether D_w holds an image (registers the datasets as the stages will)."""
-        from detectron2.data import DatasetCatalog
-
-        from ..engine.setup import build_cfg, register_and_assign_datasets
-
-        cfg = build_cfg(self.config(STAGE1["mvccl"]), [*self.common, *self.args.stage1_opts,
-                                                      "OUTPUT_DIR", self.dir("mvccl")])
-        return len(DatasetCatalog.get(register_and_assign_datasets(cfg)["train_weak"])) > 0
+        """Whether D_w holds an image: counted in the split file a stage-1 run wrote to
+        <out>/splits (no image read); before any stage ran, by loading the dataset as the
+        stages will."""
+        cfg = self.stage1_cfg()
+        saved = RegistrationSpec.from_cfg(cfg).saved_split()
+        if saved is not None:
+            return len(saved["train_weak"]) > 0
+        return len(DatasetCatalog.get(register_from_cfg(cfg)["train_weak"])) > 0
 
     def test_name(self):
         return self.names()["test"]
@@ -198,8 +199,6 @@ class Pipeline:
     def stage1(self, name):
         """Stage-1 classifier; returns the model stage 2 starts from: the best-on-validation
         export when the trainer wrote one (paper §4.3 model selection), else the last."""
-        from ..engine.trainers import EXPORT_NAME
-
         out = self.train(name, self.config(STAGE1[name]), self.args.stage1_opts)
         best = os.path.join(out, EXPORT_NAME)
         return best if os.path.exists(best) else os.path.join(out, "model_final.pth")
@@ -221,9 +220,7 @@ class Pipeline:
 
     def cam_settings(self):
         """(METHOD, TARGET_LAYER) the stage-1 config uses for Algorithm 1."""
-        from ..engine.setup import build_cfg
-
-        c = build_cfg(self.config(STAGE1["mvccl"]), self.args.stage1_opts).MODEL.BRAIXDET.CAM
+        c = self.stage1_cfg().MODEL.BRAIXDET.CAM
         return c.METHOD, c.TARGET_LAYER
 
     def cam_only(self, mvccl_weights):
@@ -258,8 +255,6 @@ class Pipeline:
 
     def detector_opts(self, key, stage1_weights, cam_json):
         """The config overrides of method ``key``'s detector stage (after self.common)."""
-        from ..engine.trainers import EXPORT_NAME
-
         m = METHODS[key]
         opts = ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", stage1_weights[m.init], *m.opts]
         if m.cam:
@@ -272,20 +267,15 @@ class Pipeline:
 
     def iterations(self, job, plan):
         """Training iterations of a stage-1 or detector job, from its config and datasets as
-        the stage will resolve them (engine/schedule.py); for the launcher's --dry-run."""
-        from ..engine.schedule import resolve_schedule
-        from ..engine.setup import build_cfg, register_and_assign_datasets
-        from ..engine.trainers import EXPORT_NAME
-
+        the stage will resolve them (config/schedule.py); for the launcher's --dry-run."""
         if job in STAGE1:
             config, opts = self.config(STAGE1[job]), list(self.args.stage1_opts)
         else:
             exports = {n: os.path.join(self.dir(n), EXPORT_NAME) for n in STAGE1}
             config = self.config(METHODS[job].config)
             opts = self.detector_opts(job, exports, self.cam_json() if plan.gradcam else "")
-        cfg = build_cfg(config, [*self.common, "OUTPUT_DIR", self.dir(job), *opts])
-        register_and_assign_datasets(cfg)
-        return int(resolve_schedule(cfg).SOLVER.MAX_ITER)
+        cfg = resolve_cfg(build_cfg(config, [*self.common, "OUTPUT_DIR", self.dir(job), *opts]))
+        return int(cfg.SOLVER.MAX_ITER)
 
     def classifier_metrics(self, name):
         """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
@@ -298,14 +288,20 @@ class Pipeline:
                 out[split] = read_json(path)["classification"]
         return out
 
+    def stage1_jobs(self):
+        """The stage-1 classifiers the rows of ``--methods`` start from."""
+        a = self.args
+        needed = {METHODS[k].init for k in method_order(a.methods)}
+        if CAM_ONLY in a.methods or any(METHODS[k].cam for k in method_order(a.methods)):
+            needed.add("mvccl")
+        return tuple(n for n in STAGE1 if n in needed)
+
     def plan(self):
-        """The stages of ``--methods``; under the full protocol it loads D_w once (no_weak)."""
+        """The stages of ``--methods``; under the full protocol whether D_w holds an image
+        (no_weak; has_weak_images: free once a stage-1 run wrote the split)."""
         a = self.args
         keys = method_order(a.methods)
-        needed = {METHODS[k].init for k in keys}
         uses_cam = any(METHODS[k].cam for k in keys)
-        if CAM_ONLY in a.methods or uses_cam:
-            needed.add("mvccl")
         self.no_weak = a.protocol != "partial" and not self.has_weak_images()
         if self.no_weak and uses_cam:
             # our choice: without weak images there is nothing to pseudo-label; the SSL rows
@@ -313,7 +309,7 @@ class Pipeline:
             print(f"=== [gradcam] skipped: the {a.protocol} protocol's D_w holds no image here; "
                   "SSL rows train as their supervised detectors (SSL.ENABLED False)", flush=True)
             uses_cam = False
-        return Plan(stage1=tuple(n for n in STAGE1 if n in needed), gradcam=uses_cam,
+        return Plan(stage1=self.stage1_jobs(), gradcam=uses_cam,
                     cam_only=CAM_ONLY in a.methods, detectors=tuple(keys), no_weak=self.no_weak)
 
     def job_done(self, job):
@@ -340,8 +336,9 @@ class Pipeline:
 
     def run_all(self):
         a = self.args
+        # stage 1 first: its run writes the split, from which plan() counts D_w
+        stage1 = {name: self.stage1(name) for name in self.stage1_jobs()}
         plan = self.plan()
-        stage1 = {name: self.stage1(name) for name in plan.stage1}
         cam_json = self.gradcam(stage1["mvccl"]) if plan.gradcam else ""
         results = {}
         if plan.cam_only:
@@ -361,8 +358,6 @@ class Pipeline:
                                        for r, s in self.row_stage.items()},
                    "protocol": {"dataset": a.dataset, "protocol": a.protocol, "ratio": a.ratio,
                                 "seed": a.seed}}
-        from ..utils.io import atomic_write_json
-
         atomic_write_json(os.path.join(self.out, "results.json"), summary, indent=1)
         print(format_table(results))
         print(format_classifiers(summary["classifiers"]))

@@ -8,19 +8,27 @@
 3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
    in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
 """
+import argparse
 import json
 import os
 import shutil
 import time
 
+from detectron2.data import DatasetCatalog
+
+from ..config import build_cfg, register_datasets
+from ..data.dicom import read_dicom_image
+from ..evaluation.overlay import draw_overlay
 from ..model_zoo import config_root, get_config_file
+from ..utils import safe_output_path
 from ..utils.io import atomic_write_json, atomic_write_text
 from .core import Pipeline, add_pipeline_arguments
 from .experiments import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
 from .results import format_classifiers, format_table
 
 METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
-# several seeds make the paper-style table: every row, the competitors too (about 24 min a seed)
+# several seeds make the paper-style table: every row, the competitors too (about 29 min a
+# seed: 87 min for three, docs/RESULTS.md §1.0a)
 ALL_METHODS = DEFAULT_METHODS + ["stac", "unbiased_teacher", "soft_teacher"]
 # synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/RESULTS.md §1.5
 DEMO = {
@@ -54,12 +62,6 @@ def make_data(root, spec, seed=DATA_SEED):
 
 def draw_overlays(out_dir, det_dir, test_name, n=4):
     """GT (blue) and BRAIxDet teacher detections (red) on a few malignant test images."""
-    from detectron2.data import DatasetCatalog
-
-    from ..data.dicom import read_dicom_image
-    from ..evaluation.overlay import draw_overlay
-    from ..utils import safe_output_path
-
     det_file = os.path.join(det_dir, "inference", "model", test_name, "detections_coco.json")
     if not os.path.exists(det_file):
         return []
@@ -108,8 +110,6 @@ def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
 
 
 def pipeline_args(root, out, spec, base, seed, methods=METHODS):
-    import argparse
-
     h, w = spec["size"]
     return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
         "--dataset", "cbis_ddsm", "--root", root, "--ratio", "1/8", "--seed", str(seed),
@@ -156,11 +156,9 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
 
 
 def _overlays(pipeline, out):
-    from ..engine.setup import build_cfg, register_and_assign_datasets
-
     # the pipeline's own dataset overrides, so the overlays see the same registered split
-    cfg = build_cfg(get_config_file("demo/BRAIxDet/braixdet.yaml"),
-                    [*pipeline.common, "OUTPUT_DIR", os.path.join(out, "overlays_tmp")])
-    register_and_assign_datasets(cfg)
+    register_datasets(build_cfg(get_config_file("demo/BRAIxDet/braixdet.yaml"),
+                                [*pipeline.common, "OUTPUT_DIR",
+                                 os.path.join(out, "overlays_tmp")]))
     return draw_overlays(os.path.join(out, "overlays"), pipeline.dir("braixdet"),
                          pipeline.test_name())

@@ -25,10 +25,11 @@ from detectron2.data import DatasetCatalog
 from detectron2.modeling import build_model
 from detectron2.utils.logger import setup_logger
 
+from braixdet.cam import CamSettings, write_cam_boxes
+from braixdet.config import build_cfg, inference_cfg, register_datasets
 from braixdet.data.mapper import MultiViewDatasetMapper
-from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
 from braixdet.evaluation.cam_detector import evaluate_cam_detector, quality_line
-from braixdet.ssl.cam_boxes import CamSettings, write_cam_boxes
+from braixdet.utils.checkpoint import load_inference_weights
 
 logger = logging.getLogger("braixdet.gradcam")
 
@@ -53,10 +54,8 @@ def main(argv=None):
     setup_logger(name="braixdet")
     if not (args.evaluate or args.out):
         sys.exit("error: --out is required unless --evaluate is given")
-    # the checkpoint provides the encoder: no ImageNet download
-    cfg = build_cfg(args.config_file, [*args.opts, "MODEL.WEIGHTS", args.weights])
-    names = register_and_assign_datasets(cfg)
-    cfg.freeze()
+    cfg = inference_cfg(build_cfg(args.config_file, args.opts), args.weights)
+    names = register_datasets(cfg)
     settings = CamSettings.from_cfg(cfg, tau=args.tau)
     model = build_model(cfg)
     load_inference_weights(model, args.weights)

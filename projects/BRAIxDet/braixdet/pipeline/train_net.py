@@ -16,35 +16,36 @@ from detectron2.engine import default_argument_parser, default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
+from braixdet.config import build_cfg, resolve_cfg
 from braixdet.engine import trainer_class
 from braixdet.engine.output_lock import acquire_output_lock
 from braixdet.engine.preflight import check_before_training, check_disk_space, user_error_line
-from braixdet.engine.runtime import end_distributed
-from braixdet.engine.setup import (
-    build_cfg,
-    check_output_dir_links,
-    load_inference_weights,
-    register_and_assign_datasets,
-)
+from braixdet.utils.checkpoint import load_inference_weights
+from braixdet.utils.io import refuse_links
+from braixdet.utils.runtime import end_distributed
 
 _LOCKS = []  # OUTPUT_DIR locks taken by this process (released by cli, else at exit)
 _OUTPUT_DIRS = []
 
 
 def setup(args):
+    """The run's config, resolved (datasets, iterations) before detectron2's default_setup
+    writes it to OUTPUT_DIR/config.yaml: that file alone reproduces the run."""
     _OUTPUT_DIRS.clear()
     cfg = build_cfg(args.config_file, args.opts)
     if comm.is_main_process() and cfg.OUTPUT_DIR:
         # first: a second run on this OUTPUT_DIR stops here, before any log or checkpoint
         _LOCKS.append(acquire_output_lock(cfg.OUTPUT_DIR))
-        check_output_dir_links(cfg.OUTPUT_DIR)  # before detectron2 writes log.txt, config.yaml
+        # a planted link would make detectron2 (no O_NOFOLLOW) overwrite or append to a file
+        # outside the folder through config.yaml, log.txt or metrics.json: refused first
+        refuse_links(cfg.OUTPUT_DIR)
     comm.synchronize()  # the other ranks write (log.txt.rankN) only once rank 0 holds it
-    register_and_assign_datasets(cfg)
-    cfg.freeze()
-    default_setup(cfg, args)
     # detectron2 configures its own loggers only: ours (schedule, initialisation, exported
     # model, pseudo-labels) go to the console and OUTPUT_DIR/log.txt too
     setup_logger(cfg.OUTPUT_DIR, distributed_rank=comm.get_rank(), name="braixdet")
+    cfg.freeze()
+    cfg = resolve_cfg(cfg)
+    default_setup(cfg, args)
     _OUTPUT_DIRS.append(os.path.abspath(cfg.OUTPUT_DIR or "."))
     return cfg
 

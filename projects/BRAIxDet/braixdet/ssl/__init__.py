@@ -1,6 +1,5 @@
-"""Student-teacher SSL pieces: EMA teacher and BN modes, Algorithm 1 (GradCAM pseudo-boxes) and
-Algorithm 2 (pseudo-labels), paper §3.2-3.3."""
-from .cam_boxes import CamSettings, load_cam_boxes, write_cam_boxes
+"""Student-teacher SSL pieces: EMA teacher and BN modes and Algorithm 2 (pseudo-labels), paper
+§3.2-3.3. Algorithm 1 (GradCAM pseudo-boxes of the classifier) is braixdet/cam.py."""
 from .ema import BN_MODES, apply_bn_mode, build_teacher, check_bn_mode, ema_update, unwrap
 from .pseudo_labels import (
     cam_phase_active,
@@ -11,9 +10,6 @@ from .pseudo_labels import (
 )
 
 __all__ = [
-    "CamSettings",
-    "load_cam_boxes",
-    "write_cam_boxes",
     "BN_MODES",
     "apply_bn_mode",
     "build_teacher",

@@ -1,7 +1,7 @@
 """The boxes Algorithm 2 fuses with the teacher's (SSL.CAM_BOX_SOURCE), and D_w's truth.
 
 Sources (docs/DESIGN.md, "Oracle box sources"):
-* ``gradcam`` (the paper): Algorithm 1's boxes, read from SSL.CAM_JSON (cam_boxes.py).
+* ``gradcam`` (the paper): Algorithm 1's boxes, read from SSL.CAM_JSON (cam.py).
 * ``oracle``: D_w's true cancer boxes, the upper bound of what any Algorithm 1 could give.
 * ``random``: boxes at random places inside the breast, their count and sizes drawn from the true
   boxes of D_w (pooled, in the canonical frame): the lower bound, boxes that know nothing about
@@ -25,8 +25,8 @@ from typing import Dict
 import cv2
 import numpy as np
 
+from ..cam import known_lesions, load_cam_boxes
 from ..data.report import BadInputError
-from .cam_boxes import known_lesions, load_cam_boxes
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,12 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 __all__ = ["threshold_pseudo_targets", "strong_augment", "keep_loss_terms", "StrongAugment",
-           "StacAugment", "UnbiasedTeacherAugment", "build_strong_augment", "STRONG_AUG_POLICIES"]
+           "StacAugment", "UnbiasedTeacherAugment", "build_strong_augment", "STRONG_AUG_POLICIES",
+           "PSEUDO_LABEL_MODES"]
+
+# SSL.PSEUDO_LABELS: "top1" = Algorithm 2 (ssl/pseudo_labels.py); "threshold" = every teacher box
+# over SSL.TEACHER_SCORE_THRESH (threshold_pseudo_targets)
+PSEUDO_LABEL_MODES = ("top1", "threshold")
 
 
 def _instances(out):

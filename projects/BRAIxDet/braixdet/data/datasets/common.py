@@ -5,6 +5,7 @@ import os
 import numpy as np
 from detectron2.structures import BoxMode
 
+from ..dicom import read_dicom_meta
 from ..pairing import pair_views
 from ..report import BadInputError
 from ..views import normalize_laterality, normalize_view  # noqa: F401 (re-export for the loaders)
@@ -149,8 +150,6 @@ def checked_annotations(boxes, height, width, path, report):
 
 def read_meta(path, report, allow_for_processing=False):
     """DICOM header via dicom.read_dicom_meta; bad files go to the report (None returned)."""
-    from ..dicom import read_dicom_meta  # lazy: keeps CSV parsing importable on its own
-
     if not os.path.isfile(path):
         report.add(BadInputError(path, "missing_file"))
         return None

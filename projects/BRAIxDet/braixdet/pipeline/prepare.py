@@ -1,7 +1,7 @@
 """Fill the canonical-image cache of a dataset ahead of training (tools/prepare_dataset.py).
 
 Uses the training code path end to end: the datasets are registered by
-``register_and_assign_datasets`` (same split JSON and bad-input report in ``SPLIT_DIR``), and
+``config.register_datasets`` (same split JSON and bad-input report in ``SPLIT_DIR``), and
 entries are written by the mapper's ``CanonicalCache`` at ``default_cache_dir(cfg)`` with
 ``PreprocessParams.from_cfg(cfg)``, so training finds every entry. Every main and auxiliary
 image of every registered split is processed once (sorted unique list; ``shard`` i/N takes
@@ -13,14 +13,15 @@ import multiprocessing as mp
 import os
 import time
 
+from detectron2.data import DatasetCatalog
 from tqdm import tqdm
 
-from ..engine.setup import build_cfg, register_and_assign_datasets
-from .cache import CanonicalCache
-from .datasets.common import is_under
-from .mapper import default_cache_dir
-from .preprocess import PreprocessParams
-from .report import BadInputError, BadInputReport
+from ..config import build_cfg, register_datasets
+from ..data.cache import CanonicalCache
+from ..data.datasets.common import is_under
+from ..data.mapper import default_cache_dir
+from ..data.preprocess import PreprocessParams
+from ..data.report import BadInputError, BadInputReport
 
 logger = logging.getLogger("braixdet.prepare")
 
@@ -44,8 +45,6 @@ def collect_items(dataset_names):
 
     The laterality is the dict's, as the mapper passes it for both views (aux is ipsilateral).
     """
-    from detectron2.data import DatasetCatalog
-
     items = {}
     for name in dataset_names:
         for d in DatasetCatalog.get(name):
@@ -156,7 +155,7 @@ def prepare(cfg, shard_index=0, num_shards=1, workers=1):
     cache_dir = default_cache_dir(cfg)  # where the training mapper looks
     if is_under(cache_dir, root):
         raise ValueError(f"cache dir {cache_dir} is inside the dataset root {root} (read only)")
-    names = sorted(set(register_and_assign_datasets(cfg).values()))
+    names = sorted(set(register_datasets(cfg).values()))
     fmt = cfg.INPUT.BRAIXDET.CACHE_FORMAT
     allow = bool(cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING)
 

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 from detectron2.data import DatasetCatalog
+from detectron2.engine import DefaultTrainer
+from detectron2.utils import comm
 
 __all__ = ["num_images", "has_weak_images", "iterations_per_epoch", "resolve_schedule",
            "validation_metric", "ValidationMetric"]
@@ -55,8 +57,11 @@ def iterations_per_epoch(cfg):
 
 
 def resolve_schedule(cfg):
-    """A copy of ``cfg`` with MAX_ITER / EVAL_PERIOD / CHECKPOINT_PERIOD set from epochs where
-    they ask for it (see the module docstring); ``cfg`` itself when nothing does."""
+    """A copy of ``cfg`` with the batch scaled to the world size (detectron2's
+    SOLVER.REFERENCE_WORLD_SIZE) and MAX_ITER / EVAL_PERIOD / CHECKPOINT_PERIOD set from epochs
+    where they ask for it (see the module docstring); ``cfg`` itself when nothing changes (a
+    resolved config, e.g. a run's config.yaml)."""
+    cfg = DefaultTrainer.auto_scale_workers(cfg, comm.get_world_size())
     s = cfg.SOLVER
     if s.MAX_ITER > 0 and cfg.TEST.EVAL_PERIOD >= 0 and s.CHECKPOINT_PERIOD > 0:
         if s.BRAIXDET.EPOCHS > 0:
@@ -67,10 +72,7 @@ def resolve_schedule(cfg):
     frozen = cfg.is_frozen()
     cfg = cfg.clone()
     cfg.defrost()
-    if s.MAX_ITER <= 0:
-        if s.BRAIXDET.EPOCHS <= 0:
-            raise ValueError("SOLVER.MAX_ITER <= 0 asks for SOLVER.BRAIXDET.EPOCHS epochs, but "
-                             f"EPOCHS is {s.BRAIXDET.EPOCHS}")
+    if s.MAX_ITER <= 0:  # EPOCHS > 0: checks.py
         cfg.SOLVER.MAX_ITER = max(1, round(s.BRAIXDET.EPOCHS * ipe))
     if cfg.TEST.EVAL_PERIOD < 0:
         cfg.TEST.EVAL_PERIOD = ipe

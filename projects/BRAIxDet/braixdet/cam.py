@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..utils.io import atomic_write_json
-from .ema import unwrap
+from .utils.io import atomic_write_json
+from .utils.modules import unwrap
 
 __all__ = [
     "CamSettings",

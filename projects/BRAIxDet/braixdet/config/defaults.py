@@ -1,4 +1,5 @@
-"""BRAIxDet config keys, added to a detectron2 config by `add_braixdet_config(cfg)`.
+"""BRAIxDet's config keys and their defaults, added to a detectron2 config by
+``add_braixdet_config(cfg)``; which values each key accepts is in checks.py.
 
 Paper defaults (BRAIxDet, §4.3) are the defaults here; demo/test configs shrink sizes.
 """
@@ -7,7 +8,7 @@ from detectron2.config import CfgNode as CN
 
 def add_braixdet_config(cfg):
     """Add every key BRAIxDet reads. Call once on a fresh `get_cfg()` before merging files."""
-    # torch intra-op threads of every stage process (engine/runtime.py): the numbers depend on
+    # torch intra-op threads of every stage process (utils/runtime.py): the numbers depend on
     # it; 0 = torch's default (the machine's cores: other machines, other numbers)
     cfg.NUM_THREADS = 0
     _set_unsupported_defaults(cfg)
@@ -96,7 +97,9 @@ def _add_dataset_config(cfg):
     d.CSV = ""  # exam_csv: the CSV file (relative to ROOT or absolute)
     d.NAME = ""  # registered name prefix; "" = FORMAT
     d.PROTOCOL = "partial"  # partial | full
-    d.RATIO = "1/8"  # partially labelled ratio of annotated images kept as boxes
+    # partially labelled ratio of annotated images kept as boxes; "1/8" or 0.125, recorded as
+    # "p/q" by build_cfg
+    d.RATIO = "1/8"
     d.SEED = 0  # split seed: same seed -> same split everywhere
     d.VAL_FRACTION = 0.1  # patient-wise train/val split (val: fully annotated images only)
     # A validation split without a lesion has no AP/AUC to select a model or drive the plateau
@@ -107,7 +110,8 @@ def _add_dataset_config(cfg):
     # every fully annotated test image, lesion-free ones included; "full+negatives" also scores
     # weak label-0 images as lesion-free
     d.TEST_IMAGES = "full"
-    d.SPLIT_DIR = ""  # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits
+    # where split JSONs and bad-input reports go; "" = <OUTPUT_DIR>/splits (set by build_cfg)
+    d.SPLIT_DIR = ""
     d.ON_BAD_INPUT = "skip"  # skip (report and continue) | error
     d.VINDR_MALIGNANT_BIRADS = [4, 5]
     cfg.DATASETS.TRAIN_WEAK = ()  # weak stream (stage 2); filled from the protocol when empty
@@ -118,8 +122,9 @@ def _add_dataset_config(cfg):
 def _add_solver_config(cfg):
     s = cfg.SOLVER.BRAIXDET = CN()
     s.OPTIMIZER = "ADAM"  # ADAM | SGD
-    # Schedule in epochs (paper: 20 per stage; see engine/schedule.py): used where MAX_ITER <= 0;
-    # TEST.EVAL_PERIOD < 0 and CHECKPOINT_PERIOD <= 0 mean once per epoch
+    # Schedule in epochs (paper: 20 per stage; see config/schedule.py): used where MAX_ITER <= 0;
+    # TEST.EVAL_PERIOD < 0 and CHECKPOINT_PERIOD <= 0 mean once per epoch. resolve_cfg writes
+    # the iterations in, so a run's config.yaml records what ran
     s.EPOCHS = 20.0
     cfg.SOLVER.MAX_ITER = -1
     cfg.SOLVER.CHECKPOINT_PERIOD = -1
@@ -155,7 +160,7 @@ def _add_ssl_config(cfg):
     # boxes the protocol withheld (ssl/pseudo_quality.py); logging only, never training
     s.PSEUDO_QUALITY = False
     # View agreement (our choice; 0 = off, the paper): keep a CAM box only if the other view's
-    # map exceeds τ within ± this fraction of the breast's depth from the nipple (cam_boxes.py)
+    # map exceeds τ within ± this fraction of the breast's depth from the nipple (cam.py)
     s.CAM_VIEW_AGREEMENT = 0.0
     s.CAM_FUSION_EPOCHS = 2.0  # epochs of D_w with fusion (paper: 2)
     s.CAM_FUSION_ITERS = -1  # >= 0 overrides CAM_FUSION_EPOCHS, in iterations
@@ -214,8 +219,10 @@ UNSUPPORTED_KEYS = {
     "DATASETS.PROPOSAL_FILES_TRAIN": ((), "proposals come from the RPN"),
     "DATASETS.PROPOSAL_FILES_TEST": ((), "proposals come from the RPN"),
 }
-_D2_INPUT_KEYS = ("MIN_SIZE_TRAIN", "MIN_SIZE_TRAIN_SAMPLING", "MAX_SIZE_TRAIN", "MIN_SIZE_TEST",
-                  "MAX_SIZE_TEST", "RANDOM_FLIP", "FORMAT", "CROP.ENABLED")
+# detectron2 INPUT keys our data path does not read (images are canonicalised by
+# INPUT.BRAIXDET.*): a config that changes one from detectron2's default is refused
+D2_INPUT_KEYS = ("MIN_SIZE_TRAIN", "MIN_SIZE_TRAIN_SAMPLING", "MAX_SIZE_TRAIN", "MIN_SIZE_TEST",
+                 "MAX_SIZE_TEST", "RANDOM_FLIP", "FORMAT", "CROP.ENABLED")
 
 
 def _get(cfg, key):
@@ -228,22 +235,3 @@ def _set_unsupported_defaults(cfg):
     for key, (value, _) in UNSUPPORTED_KEYS.items():
         node, _, leaf = key.rpartition(".")
         _get(cfg, node)[leaf] = value
-
-
-def check_supported_keys(cfg):
-    """Raise ValueError naming a detectron2 key set to something BRAIxDet does not honour."""
-    from detectron2.config import get_cfg
-
-    for key, (value, why) in UNSUPPORTED_KEYS.items():
-        got = _get(cfg, key)
-        if (tuple(got) if isinstance(got, (list, tuple)) else got) != value:
-            raise ValueError(f"{key} = {got!r} is not supported by BRAIxDet ({why}); "
-                             f"leave it at {value!r}")
-    d2 = get_cfg().INPUT
-    for key in _D2_INPUT_KEYS:
-        got, default = _get(cfg.INPUT, key), _get(d2, key)
-        if (tuple(got) if isinstance(got, (list, tuple)) else got) != (
-                tuple(default) if isinstance(default, (list, tuple)) else default):
-            raise ValueError(f"INPUT.{key} = {got!r} is not used by BRAIxDet: images are "
-                             "canonicalised by INPUT.BRAIXDET.* (CANONICAL_SIZE, AUG.*)")
-    return cfg
