@@ -25,7 +25,7 @@ import time
 from experiment_benchmark_regime import make_regime
 from experiment_ratio_grid import run_args
 
-from braixdet.engine.checkpoint import safe_torch_load
+from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.stages import run_stage
 from braixdet.utils.io import atomic_write_json, atomic_write_text
