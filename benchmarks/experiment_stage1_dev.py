@@ -25,9 +25,9 @@ import time
 from experiment_benchmark_regime import make_regime
 from experiment_ratio_grid import run_args
 
-from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.stages import run_stage
+from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 DEV_SET = {"patients": 300, "seed": 2727}  # benchmark_a's settings, another generator draw
