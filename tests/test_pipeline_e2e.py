@@ -573,24 +573,39 @@ def _task_of(controller_pid):
 
 
 def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pipeline_run,
-                                                                            tmp_path):
-    """Issue 32: the package installed non-editable in a fresh environment, run from a folder
-    outside the repository as ``python -m braixdet.pipeline.experiments --launcher local``:
-    seed 0's grid of pipeline_run with its Faster R-CNN stage missing. Only that stage's job
-    and the summary job run (done stages are not submitted); the Faster R-CNN job gets
-    submitit's preemption signal after its first checkpoint, is requeued and resumes from it;
-    the table equals the in-process run's (the same numbers: the resumed data order replays)."""
+                                                                            tmp_path, capsys):
+    """Issue 32: a grid of 2 seeds x 2 rows (Faster R-CNN, BRAIxDet) run in process
+    (run_experiments; seed 0's stages copied from pipeline_run), then the same grid with the
+    package installed non-editable in a fresh environment, from a folder outside the repository,
+    as ``python -m braixdet.pipeline.experiments --launcher local``, starting from copies of the
+    in-process run's done stages without seed 1's Faster R-CNN. Only that stage's job and the
+    summary job run (done stages are not submitted); the job gets submitit's preemption signal
+    after its first checkpoint, is requeued and resumes from it; the table equals the in-process
+    run's (the same numbers: the resumed data order replays)."""
     import re
     import shutil
     import signal
     import time
 
+    from braixdet.pipeline import experiments
+
+    grid = ("faster_rcnn", "braixdet")
+    ref = tmp_path / "inprocess"
+    shutil.copytree(pipeline_run["out"], ref / "s0", symlinks=True)
+    experiments.run(experiments.parse_args([*pipeline_argv(pipeline_run["root"], ref, grid),
+                                            "--seeds", "0", "1"]))
+    capsys.readouterr()
+    assert json.loads((ref / "summary.json").read_text())["seeds"] == [0, 1]
+
     python, site_dir = _fresh_install(tmp_path)
     exp = tmp_path / "exp"
-    src = pipeline_run["out"]
-    shutil.copytree(src, exp / "s0", symlinks=True,
-                    ignore=lambda d, names: {"faster_rcnn", "logs"} if d == str(src) else set())
-    argv = pipeline_argv(pipeline_run["root"], exp, ("cam_only", "faster_rcnn", "braixdet"))
+    missing = exp / "s1" / "faster_rcnn"
+    for seed in ("s0", "s1"):
+        shutil.copytree(ref / seed, exp / seed, symlinks=True)
+    shutil.rmtree(missing)
+    shutil.rmtree(exp / "s1" / "logs")
+    (exp / "s1" / "results.json").unlink()  # the summary job writes it again
+    argv = pipeline_argv(pipeline_run["root"], exp, grid)
     argv[argv.index("--configs") + 1] = "demo"  # the packaged configs
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -598,16 +613,15 @@ def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pip
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [python, "-m", "braixdet.pipeline.experiments", "--seeds", "0", *argv,
+            [python, "-m", "braixdet.pipeline.experiments", "--seeds", "0", "1", *argv,
              "--launcher", "local", "--gpus-per-job", "0", "--timeout-min", "20"],
             cwd=elsewhere, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
-            stage = exp / "s0" / "faster_rcnn"
             deadline = time.time() + 400
-            while not (stage / "last_checkpoint").exists():
+            while not (missing / "last_checkpoint").exists():
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
                 time.sleep(0.05)
-            job = min(int(p.name) for p in (exp / "submitit").iterdir() if p.name.isdigit())
+            job = int(re.search(r"\[s1/faster_rcnn\] local job (\d+)", log.read_text())[1])
             os.kill(_task_of(job), signal.SIGUSR2)  # what submitit's controller sends at timeout
             assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
         finally:
@@ -615,28 +629,33 @@ def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pip
                 proc.kill()
     text = log.read_text()
     jobs = [line for line in text.splitlines() if "local job" in line]
-    assert [j.split("]")[0] for j in jobs] == ["=== [s0/faster_rcnn", "=== [summary"], text
+    assert [j.split("]")[0] for j in jobs] == ["=== [s1/faster_rcnn", "=== [summary"], text
     job_log = (exp / "submitit" / str(job) / f"{job}_0_log.out").read_text()
     assert "Requeued job" in job_log, job_log[-2000:]
-    stage_log = (exp / "s0" / "logs" / "faster_rcnn.log").read_text()  # the requeued run's
+    stage_log = (exp / "s1" / "logs" / "faster_rcnn.log").read_text()  # the requeued run's
     start = re.search(r"Starting training from iteration (\d+)", stage_log)
     assert start and int(start.group(1)) > 0, stage_log[-2000:]
     # done stages were not run again; the installed package's own configs were used
-    for done in ("mvccl", "classifier_single_view", "gradcam", "braixdet"):
-        assert (exp / "s0" / done / "stage_done.json").read_bytes() == \
-            (src / done / "stage_done.json").read_bytes()
-    marker = json.loads((stage / "stage_done.json").read_text())
+    for seed in ("s0", "s1"):
+        for done in ("mvccl", "classifier_single_view", "gradcam", "faster_rcnn", "braixdet"):
+            if (seed, done) != ("s1", "faster_rcnn"):
+                marker = f"{seed}/{done}/stage_done.json"
+                assert (exp / marker).read_bytes() == (ref / marker).read_bytes(), marker
+    marker = json.loads((missing / "stage_done.json").read_text())
     assert marker["config"].startswith(os.path.join(site_dir, "braixdet", "configs", "demo"))
+    # as text: a one-class split's AUC is NaN (!= NaN)
+    assert json.dumps(json.loads((exp / "s1" / "results.json").read_text())["results"]) == \
+        json.dumps(json.loads((ref / "s1" / "results.json").read_text())["results"])
     ours = json.loads((exp / "summary.json").read_text())
-    ref = json.loads((pipeline_run["exp"] / "summary.json").read_text())
-    for key in ("rows", "classifiers"):  # as text: a one-class split's AUC is NaN (!= NaN)
-        assert json.dumps(ours[key]) == json.dumps(ref[key]), key
+    want = json.loads((ref / "summary.json").read_text())
+    assert ours["seeds"] == [0, 1] and all(r["n"] == 2 for r in ours["rows"])
+    for key in ("rows", "second_best", "classifiers"):
+        assert json.dumps(ours[key]) == json.dumps(want[key]), key
 
     def no_time(md):  # the run-time column differs between runs
         return [line.rsplit("|", 2)[0] for line in md.splitlines()]
 
-    assert no_time((exp / "summary.md").read_text()) == \
-        no_time((pipeline_run["exp"] / "summary.md").read_text())
+    assert no_time((exp / "summary.md").read_text()) == no_time((ref / "summary.md").read_text())
 
 
 def test_dry_run_lists_the_job_graph_and_its_gpu_hours(pipeline_run, tmp_path, capsys):
