@@ -344,7 +344,9 @@ def test_second_run_on_same_output_dir_is_refused(synthetic_root, tmp_path):
     from braixdet.engine.output_lock import acquire_output_lock
 
     out = tmp_path / "out"
-    opts = _tiny(synthetic_root, tmp_path, out, max_iter=100_000,
+    # no periodic checkpoint: on a loaded machine the first run reached iteration 100 and
+    # wrote one while the second started, and the folder listing below is about the second
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=100_000, ckpt_period=10**9,
                  extra=["DATASETS.TEST", "()"])
     first = popen_train_net("mvccl", opts, log_path=tmp_path / "first.log")
     try:
