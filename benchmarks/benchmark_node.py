@@ -35,7 +35,7 @@ from pynetdicom.sop_class import (
 
 from braixdet.data.dicom import write_dicom
 from braixdet.engine.checkpoint import export_model_only
-from braixdet.engine.predictor import ExamPredictor
+from braixdet.inference.predictor import ExamPredictor
 from braixdet.node import Destination, DicomNode, NodeSettings
 
 VIEWS = (("L", "CC"), ("L", "MLO"), ("R", "CC"), ("R", "MLO"))

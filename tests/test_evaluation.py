@@ -27,7 +27,7 @@ from braixdet.evaluation import (
     froc,
 )
 from braixdet.evaluation.metrics import match_detections
-from braixdet.evaluation.overlay import DET_COLOR, GT_COLOR, draw_overlay
+from braixdet.inference.visualize import DET_COLOR, GT_COLOR, draw_overlay
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -42,9 +42,9 @@ from pynetdicom.sop_class import (
 
 from braixdet.data.dicom import write_dicom
 from braixdet.engine.checkpoint import export_model_only
-from braixdet.engine.predictor import ExamPredictor
 from braixdet.engine.setup import build_cfg
-from braixdet.evaluation.sr import read_sr_findings
+from braixdet.inference.predictor import ExamPredictor
+from braixdet.inference.sr import read_sr_findings
 from braixdet.node import (
     AllowEntry,
     Destination,

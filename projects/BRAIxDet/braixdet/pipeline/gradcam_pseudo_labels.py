@@ -25,6 +25,7 @@ from detectron2.data import DatasetCatalog
 from detectron2.modeling import build_model
 from detectron2.utils.logger import setup_logger
 
+from braixdet.cli import ToolError, run_tool
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.engine.setup import build_cfg, load_inference_weights, register_and_assign_datasets
 from braixdet.evaluation.cam_detector import evaluate_cam_detector, quality_line
@@ -52,7 +53,7 @@ def main(argv=None):
     args = parse_args(argv)
     setup_logger(name="braixdet")
     if not (args.evaluate or args.out):
-        sys.exit("error: --out is required unless --evaluate is given")
+        raise ToolError("error: --out is required unless --evaluate is given")
     # the checkpoint provides the encoder: no ImageNet download
     cfg = build_cfg(args.config_file, [*args.opts, "MODEL.WEIGHTS", args.weights])
     names = register_and_assign_datasets(cfg)
@@ -79,4 +80,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))
