@@ -260,10 +260,10 @@ def test_tool_error_line_is_printed_once_without_traceback(capsys, synthetic_roo
 
 
 def test_every_tool_ends_through_run_tool(tmp_path):
-    """README "one actionable last line on failure" holds for every tool (issue 30): each
-    tools/*.py but install_detectron2 (it installs what the package imports) exits through
-    ``sys.exit(run_tool(main))``; tools/visualize.py, which let its exception escape before,
-    ends with the one line naming the file, exit status 1, and no traceback."""
+    """The README's promise of one actionable last line on failure holds for every tool (issue
+    30): each tools/*.py but install_detectron2 (it installs what the package imports) exits
+    through ``sys.exit(run_tool(main))``; tools/visualize.py, which let its exception escape
+    before, ends with the one line naming the file, exit status 1, and no traceback."""
     import ast
     import subprocess
 
