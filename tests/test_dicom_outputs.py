@@ -18,10 +18,10 @@ from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
 from braixdet.data.dicom import pseudonymise, read_dicom_meta
 from braixdet.data.report import BadInputReport
-from braixdet.engine import predict_outputs
-from braixdet.engine.predictor import Exam, ImagePrediction, assign_record_ids
-from braixdet.evaluation.deidentify import PseudonymMap
-from braixdet.evaluation.sr import exam_sr, image_presentation_state, read_sr_findings
+from braixdet.inference import outputs as predict_outputs
+from braixdet.inference.deidentify import PseudonymMap
+from braixdet.inference.predictor import Exam, ImagePrediction, assign_record_ids
+from braixdet.inference.sr import exam_sr, image_presentation_state, read_sr_findings
 from braixdet.utils.io import OutputPathRefused
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,6 +7,7 @@ import os
 import uuid
 import warnings
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -26,7 +27,7 @@ from braixdet.evaluation import (
     froc,
 )
 from braixdet.evaluation.metrics import match_detections
-from braixdet.evaluation.overlay import DET_COLOR, GT_COLOR, draw_overlay
+from braixdet.inference.visualize import DET_COLOR, GT_COLOR, draw_overlay
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -454,3 +455,37 @@ def test_visualize_tool_on_dicom(tmp_path, load_tool):
     assert im.shape[:2] == (96, 64)
     assert tuple(im[10, 20]) == DET_COLOR  # kept box drawn, in original pixels
     assert tuple(im[30, 35]) != DET_COLOR  # below the score threshold: not drawn
+
+
+def test_demo_overlays_draw_the_three_best_detections_of_lesion_images(tmp_path):
+    """pipeline/demo.py draws through inference/visualize.py (issue 30: one drawing module):
+    only images with ground truth, at most ``n``, GT in blue and the 3 best detections in red."""
+    from detectron2.data import DatasetCatalog
+
+    from braixdet.data.dicom import write_dicom
+    from braixdet.pipeline.demo import draw_overlays
+
+    px = np.full((96, 64), 2000, dtype=np.uint16)
+    files = [write_dicom(tmp_path / f"{k}.dcm", px, bits_stored=12, ImageLaterality="L",
+                         ViewPosition="CC") for k in "abc"]
+    name = "test_demo_overlays_set"
+    gt = {"bbox": [2, 2, 12, 12], "bbox_mode": 0, "category_id": 0}
+    DatasetCatalog.register(name, lambda: [
+        {"file_name": files[0], "image_id": "a", "annotations": [gt]},
+        {"file_name": files[1], "image_id": "b", "annotations": []},
+        {"file_name": files[2], "image_id": "c", "annotations": [gt]}])
+    try:
+        det_dir = tmp_path / "det" / "inference" / "model" / name
+        det_dir.mkdir(parents=True)
+        dets = [{"image_id": 1, "braixdet_image_id": "a", "category_id": 1,
+                 "bbox": [20, 10 + 20 * k, 10, 10], "score": s}
+                for k, s in enumerate([0.9, 0.2, 0.8, 0.7])]  # the 0.2 box is 4th best
+        (det_dir / "detections_coco.json").write_text(json.dumps(dets))
+        written = draw_overlays(str(tmp_path / "png"), str(tmp_path / "det"), name, n=1)
+    finally:
+        DatasetCatalog.remove(name)
+    assert [os.path.basename(p) for p in written] == ["a.png"]
+    im = cv2.imread(written[0])
+    assert tuple(im[2, 7]) == GT_COLOR
+    assert [tuple(im[10 + 20 * k, 25]) == DET_COLOR for k in range(4)] == [True, False, True,
+                                                                           True]

@@ -341,7 +341,7 @@ def test_second_run_on_same_output_dir_is_refused(synthetic_root, tmp_path):
 
     from _train_helpers import REPO, popen_train_net, train_net_cmd
 
-    from braixdet.engine.output_lock import acquire_output_lock
+    from braixdet.utils.output_lock import acquire_output_lock
 
     out = tmp_path / "out"
     # no periodic checkpoint: on a loaded machine the first run reached iteration 100 and
@@ -392,7 +392,7 @@ def test_second_run_on_same_output_dir_is_refused(synthetic_root, tmp_path):
 
 
 def _assert_released(out):
-    from braixdet.engine.output_lock import acquire_output_lock
+    from braixdet.utils.output_lock import acquire_output_lock
 
     acquire_output_lock(out).release()  # free for the next run
 
@@ -409,7 +409,7 @@ def _dead_pid():
 def test_stale_lock_of_dead_process_is_taken_over(tmp_path):
     import socket
 
-    from braixdet.engine.output_lock import OutputDirInUseError, acquire_output_lock
+    from braixdet.utils.output_lock import OutputDirInUseError, acquire_output_lock
 
     out = tmp_path / "out"
     out.mkdir()
@@ -439,8 +439,8 @@ def test_stale_lock_of_dead_process_is_taken_over(tmp_path):
 
 def test_symlinked_lock_file_is_refused_and_never_written(tmp_path):
     """Issue 21 item 1: ``ln -s $PWD/v o/.lock`` made the lock write its JSON into ``v``."""
-    from braixdet.engine.output_lock import acquire_output_lock
     from braixdet.utils.io import OutputPathRefused
+    from braixdet.utils.output_lock import acquire_output_lock
 
     out, victim = tmp_path / "o", tmp_path / "v"
     out.mkdir()

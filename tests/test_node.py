@@ -42,8 +42,8 @@ from pynetdicom.sop_class import (
 
 from braixdet.config import build_cfg
 from braixdet.data.dicom import write_dicom
-from braixdet.engine.predictor import ExamPredictor
-from braixdet.evaluation.sr import read_sr_findings
+from braixdet.inference.predictor import ExamPredictor
+from braixdet.inference.sr import read_sr_findings
 from braixdet.node import (
     AllowEntry,
     Destination,

@@ -155,7 +155,7 @@ def test_predict_refusals_are_one_line_without_traceback(synthetic_root, tmp_pat
     import torch
     from _train_helpers import PickledCode
 
-    from braixdet.engine.output_lock import acquire_output_lock
+    from braixdet.utils.output_lock import acquire_output_lock
 
     inp, _ = _one_exam(synthetic_root, tmp_path)
     cfg_file = os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml")
@@ -238,7 +238,7 @@ def test_tool_error_line_is_printed_once_without_traceback(capsys, synthetic_roo
 
     from _train_helpers import CONFIGS, tiny_opts
 
-    from braixdet.engine.preflight import ToolError, last_error_line, run_tool
+    from braixdet.cli import ToolError, last_error_line, run_tool
 
     opts = tiny_opts(synthetic_root.root, tmp_path / "o", tmp_path / "c", stage="mvccl",
                      extra=["DATASETS.BRAIXDET.RATIO", "1/0"])
@@ -255,3 +255,30 @@ def test_tool_error_line_is_printed_once_without_traceback(capsys, synthetic_roo
 
     assert run_tool(stage_failed) == 1
     assert capsys.readouterr().err == line + "\n"
+
+
+def test_every_tool_ends_through_run_tool(tmp_path):
+    """The README's promise of one actionable last line on failure holds for every tool (issue
+    30): each tools/*.py but install_detectron2 (it installs what the package imports) exits
+    through ``sys.exit(run_tool(main))``; tools/visualize.py, which let its exception escape
+    before, ends with the one line naming the file, exit status 1, and no traceback."""
+    import ast
+    import subprocess
+
+    outside = []
+    for name in sorted(os.listdir(os.path.join(REPO, "tools"))):
+        if not name.endswith(".py") or name == "install_detectron2.py":
+            continue
+        with open(os.path.join(REPO, "tools", name)) as f:
+            tree = ast.parse(f.read())
+        mains = [n for n in tree.body
+                 if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        if not mains or "sys.exit(run_tool(" not in ast.unparse(mains[-1]):
+            outside.append(name)
+    assert not outside, f"tools not ending with sys.exit(run_tool(main)): {outside}"
+    missing = tmp_path / "missing.dcm"
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "visualize.py"), "--dicom",
+                        str(missing), "--out", str(tmp_path / "vis")], cwd=REPO, text=True,
+                       capture_output=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == f"error: {missing}: missing_file (no such file)"

@@ -378,7 +378,7 @@ def test_sigterm_stops_the_stage_and_a_rerun_resumes_to_the_same_table(pipeline_
     import signal
     import time
 
-    from braixdet.engine.output_lock import acquire_output_lock
+    from braixdet.utils.output_lock import acquire_output_lock
 
     out = tmp_path / "stopped"
     _copy_stage1(pipeline_run["out"], out)

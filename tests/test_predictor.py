@@ -1,4 +1,4 @@
-"""braixdet.engine.ExamPredictor: same detections as the evaluation path, exam grouping and
+"""braixdet.inference.ExamPredictor: same detections as the evaluation path, exam grouping and
 pairing from DICOM tags, bad files reported while the others are predicted."""
 import importlib.resources
 import json
@@ -6,6 +6,7 @@ import os
 import shutil
 import warnings
 
+import cv2
 import numpy as np
 import pydicom
 import pytest
@@ -19,9 +20,10 @@ from braixdet.data.build import build_multiview_test_loader, get_dicts
 from braixdet.data.dicom import DicomMeta, pseudonymise, read_dicom_meta
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.data.report import BadInputReport
-from braixdet.engine import ExamPredictor, predict_outputs
-from braixdet.engine.predictor import group_exams, pair_exam
-from braixdet.evaluation.sr import read_sr_findings
+from braixdet.inference import ExamPredictor
+from braixdet.inference import outputs as predict_outputs
+from braixdet.inference.predictor import group_exams, pair_exam
+from braixdet.inference.sr import read_sr_findings
 from braixdet.utils.checkpoint import export_model_only
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,6 +243,45 @@ def test_dataloader_workers_give_the_serial_results(setup):
     for k, p in serial.items():
         assert torch.equal(p.instances.pred_boxes.tensor, parallel[k].instances.pred_boxes.tensor)
         assert torch.equal(p.instances.scores, parallel[k].instances.scores)
+
+
+def test_predict_decodes_each_file_once_and_draws_the_overlay_from_that_decode(setup, tmp_path,
+                                                                               monkeypatch):
+    """Issue 30: predict reads each DICOM's header once (exam grouping) and then the whole file
+    once, whose decode gives both the model's pixels (fresh private cache: a miss, so the
+    canonical image is made from that decode; same detections as without overlays) and the
+    overlay (drawn with no box: exactly the original image's display conversion)."""
+    from braixdet.data.dicom import read_dicom_image
+    from braixdet.inference.visualize import display_image
+
+    cfg = setup["cfg"].clone()
+    cfg.defrost()
+    cfg.INPUT.BRAIXDET.CACHE_DIR = ""
+    cfg.freeze()
+    reads = []
+    dcmread = pydicom.dcmread
+
+    def counted(path, *a, **k):
+        reads.append((os.path.basename(str(path)), bool(k.get("stop_before_pixels"))))
+        return dcmread(path, *a, **k)
+    monkeypatch.setattr(pydicom, "dcmread", counted)
+    out = tmp_path / "out"
+    result = predict_outputs.predict_to_folder(cfg, setup["weights"], [str(setup["exams"])],
+                                               str(out), overlay_thresh=2.0, num_workers=0)
+    monkeypatch.setattr(pydicom, "dcmread", dcmread)
+    files = sorted(str(f) for f in setup["exams"].rglob("*.dcm"))
+    assert len(result["images"]) == len(files) >= 4
+    for f in files:
+        name = os.path.basename(f)
+        assert reads.count((name, True)) == 1 and reads.count((name, False)) == 1, name
+        img, meta = read_dicom_image(f)
+        png = cv2.imread(str(out / f"{meta.sop_uid}.png"), cv2.IMREAD_UNCHANGED)
+        assert np.array_equal(png, cv2.cvtColor(display_image(img), cv2.COLOR_GRAY2BGR)), name
+    with ExamPredictor(cfg, setup["weights"], num_workers=0) as predictor:
+        plain = {p.record_id: predict_outputs.detections_record(p, 0.05)
+                 for p in predictor([str(setup["exams"])])}
+    assert {r["record_id"]: {k: v for k, v in r.items() if k != "exam"}
+            for r in result["images"]} == plain
 
 
 def _real_files():

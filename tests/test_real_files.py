@@ -16,7 +16,7 @@ from braixdet.data import preprocess
 from braixdet.data.dicom import pseudonymise, read_dicom_image
 from braixdet.data.preprocess import PreprocessParams, canonicalize
 from braixdet.data.report import BadInputReport
-from braixdet.engine.predictor import group_exams, pair_exam, read_metas
+from braixdet.inference.predictor import group_exams, pair_exam, read_metas
 
 PARAMS = PreprocessParams(canonical_size=(512, 256))
 DS = 8  # the tests' own low-resolution grid for tissue and letters

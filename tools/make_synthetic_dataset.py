@@ -5,8 +5,11 @@
 """
 import argparse
 import json
+import sys
 
 from synthetic_mammo import make_synthetic_dataset
+
+from braixdet.cli import run_tool
 
 
 def main(argv=None):
@@ -31,4 +34,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

@@ -4,7 +4,7 @@
   python tools/predict.py --config-file configs/BRAIxDet/braixdet.yaml \
       --weights output/braixdet/model_export.pth --input /exams/ --out predictions/
 
-A thin CLI over ``braixdet.engine.predict_outputs.predict_to_folder`` (``ExamPredictor``: exam
+A thin CLI over ``braixdet.inference.predict_to_folder`` (``ExamPredictor``: exam
 grouping, CC/MLO pairing, the training pixel path, one encoding per image per exam). Writes
 ``predictions.json`` (per image: boxes in original DICOM pixels and scores; per breast and
 exam: malignancy scores; no patient identifiers or paths), with ``--format sr|both`` one DICOM
@@ -18,9 +18,9 @@ import sys
 
 from detectron2.utils.logger import setup_logger
 
+from braixdet.cli import run_tool
 from braixdet.config import build_cfg
-from braixdet.engine.predict_outputs import FORMATS, predict_to_folder
-from braixdet.engine.preflight import run_tool
+from braixdet.inference import FORMATS, predict_to_folder
 
 
 def main(argv=None):

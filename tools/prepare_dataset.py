@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from braixdet.cli import run_tool
 from braixdet.pipeline.prepare import build_prepare_cfg, prepare, run, shard  # noqa: F401 - API
 
 
@@ -57,11 +58,11 @@ def main(argv=None):
     try:
         summary = prepare(cfg, *args.shard, workers=args.workers)
     except (ValueError, FileNotFoundError) as e:
-        print(f"prepare_dataset: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

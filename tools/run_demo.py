@@ -12,7 +12,7 @@ seed spread are not ranked. SIGTERM/SIGINT stop the running stage; `--resume` co
 import argparse
 import sys
 
-from braixdet.engine.preflight import run_tool
+from braixdet.cli import run_tool
 from braixdet.pipeline.demo import run_demo
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 

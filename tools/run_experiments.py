@@ -15,7 +15,7 @@ Installed: ``python -m braixdet.pipeline.experiments``, the same arguments.
 """
 import sys
 
-from braixdet.engine.preflight import run_tool
+from braixdet.cli import run_tool
 from braixdet.pipeline import experiments
 
 

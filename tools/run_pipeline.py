@@ -10,7 +10,7 @@ SIGTERM/SIGINT stop the running stage (its whole process group); re-run to conti
 """
 import sys
 
-from braixdet.engine.preflight import run_tool
+from braixdet.cli import run_tool
 from braixdet.pipeline import Pipeline  # noqa: F401 - tests build pipelines from this tool
 from braixdet.pipeline.__main__ import parse_args
 from braixdet.pipeline.__main__ import run as main

@@ -17,9 +17,10 @@ import threading
 
 from detectron2.utils.logger import setup_logger
 
+from braixdet.cli import run_tool
 from braixdet.config import build_cfg
-from braixdet.engine.predictor import ExamPredictor
-from braixdet.engine.preflight import check_readable_file, run_tool
+from braixdet.engine.preflight import check_readable_file
+from braixdet.inference.predictor import ExamPredictor
 from braixdet.node import (
     AllowEntry,
     Destination,

@@ -20,6 +20,7 @@ import argparse
 import sys
 from collections import OrderedDict
 
+from braixdet.cli import run_tool
 from braixdet.pipeline.results import (  # noqa: F401 - load_metrics, collect_runs: the API
     METRICS,
     collect_runs,
@@ -54,4 +55,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

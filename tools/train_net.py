@@ -16,7 +16,14 @@ readable, OUTPUT_DIR writable with room for a checkpoint). A failure ends with o
 """
 import sys
 
-from braixdet.pipeline.train_net import cli, main, setup  # noqa: F401 - the tool's entry points
+from braixdet.cli import run_tool
+from braixdet.pipeline.train_net import (  # noqa: F401 - the tool's entry points
+    append_to_log,
+    cli,
+    launch_training,
+    main,
+    setup,
+)
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_tool(launch_training, log=append_to_log))

@@ -16,12 +16,10 @@ import argparse
 import logging
 import sys
 
-from braixdet.evaluation.visualize import (
-    dataset_items,
-    dicom_items,
-    load_predictions,
-    render,
-)
+from braixdet.cli import run_tool
+from braixdet.config import build_cfg, register_datasets
+from braixdet.data.preprocess import PreprocessParams
+from braixdet.inference.visualize import dataset_items, dicom_items, load_predictions, render
 
 
 def main(argv=None):
@@ -49,14 +47,10 @@ def main(argv=None):
     preds = load_predictions(args.predictions) if args.predictions else {}
     params = cfg = None
     if args.config_file or args.dataset:
-        from braixdet.config import build_cfg, register_datasets
-
         cfg = build_cfg(args.config_file, args.opts)
         if args.dataset:
             register_datasets(cfg)
     if args.canonical:
-        from braixdet.data.preprocess import PreprocessParams
-
         params = PreprocessParams.from_cfg(cfg) if cfg is not None else PreprocessParams()
     if args.dataset:
         items = dataset_items(args.dataset, preds, args.only_with_lesions)
@@ -68,4 +62,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

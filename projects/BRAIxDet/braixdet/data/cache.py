@@ -107,8 +107,11 @@ class CanonicalCache:
         img, tfm, _ = self.get_with_info(file_name, laterality)
         return img, tfm
 
-    def get_with_info(self, file_name, laterality=None):
-        """Like ``get`` plus the preprocessing ``info`` dict (flip, crop, disagreement, ...)."""
+    def get_with_info(self, file_name, laterality=None, decoded=None):
+        """Like ``get`` plus the preprocessing ``info`` dict (flip, crop, disagreement, ...).
+        ``decoded``: the ``read_dicom_image`` result the caller already has for this file as it
+        is now (the predictor keeps the original for overlays): on a miss the canonical image
+        is made from it instead of decoding the file a second time."""
         try:
             source = self.source_of(file_name, laterality)
             stem = self.entry_path(file_name, laterality, source)
@@ -125,7 +128,8 @@ class CanonicalCache:
                 hit = None
             if hit is not None:
                 return hit
-        img, meta = read_dicom_image(file_name, allow_for_processing=self.allow_for_processing)
+        img, meta = decoded or read_dicom_image(file_name,
+                                                allow_for_processing=self.allow_for_processing)
         canonical, tfm, info = canonicalize(img, laterality or meta.laterality, self.params,
                                          name=str(file_name))
         q = np.round(canonical * _SCALE).astype(np.uint16)

@@ -81,7 +81,7 @@ class DicomMeta:
     photometric: str
     presentation_intent: str  # "FOR PRESENTATION" | "FOR PROCESSING" | ""
     transfer_syntax: str = ""
-    # Exam grouping (engine/predictor.py group_exams): pseudonymised AccessionNumber, else
+    # Exam grouping (inference/predictor.py group_exams): pseudonymised AccessionNumber, else
     # StudyDate ("" when neither); ``patient_id`` is the pseudonymised patient STEM.
     exam_hint: str = ""
     # Why view/laterality is None: "unknown_view" or "refused_view", with the resolver's

@@ -19,7 +19,7 @@ slots: 2 for Adam, 1 for SGD momentum) + the teacher's state bytes (stage 2 SSL)
 16 MB; it warns when the planned periodic checkpoints would not all fit.
 
 Every failure raises ``PreflightError``: one line naming the config key, the file or dataset and
-the reason. ``user_error_line(exc)`` turns any exception into the one line a tool prints last.
+the reason (``braixdet/cli.py`` prints it as the tool's last line).
 """
 import json
 import logging
@@ -29,8 +29,8 @@ import tempfile
 
 from ..utils.modules import unwrap
 
-__all__ = ["PreflightError", "ToolError", "check_before_training", "check_disk_space",
-           "checkpoint_size_estimate", "last_error_line", "run_tool", "user_error_line"]
+__all__ = ["PreflightError", "check_before_training", "check_disk_space",
+           "checkpoint_size_estimate"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,6 @@ _WEIGHT_SUFFIXES = (".pth", ".pt", ".safetensors", ".bin", ".pkl", ".pyth")
 
 class PreflightError(RuntimeError):
     """A check before training failed; ``str`` is the one-line message."""
-
-
-class ToolError(RuntimeError):
-    """A failure whose ``str`` already is the one line to show, e.g. a pipeline stage's own
-    ``error:`` line (``run_tool`` prints it without a traceback)."""
 
 
 def _is_url(value):
@@ -212,84 +207,3 @@ def check_disk_space(cfg, trainer):
         logger.warning("OUTPUT_DIR %s: %.0f MB free, the %d planned checkpoints need about "
                        "%.0f MB; old ones are kept, so the disk may fill up", cfg.OUTPUT_DIR,
                        free / mb, planned, planned * size / mb)
-
-
-# -- the last line of a failed tool ----------------------------------------------------------------
-def _known():
-    """Our one-line errors: the message already names a cause a user can act on."""
-    from ..config import ConfigValueError
-    from ..data.report import BadInputError
-    from ..utils.checkpoint import (
-        CheckpointContentError,
-        CheckpointLoadError,
-        CheckpointRefusedError,
-    )
-    from ..utils.io import OutputPathRefused, OutputWriteError
-    from .output_lock import OutputDirInUseError
-
-    return (PreflightError, ToolError, OutputDirInUseError, CheckpointRefusedError,
-            CheckpointLoadError, OutputWriteError, CheckpointContentError, BadInputError,
-            FloatingPointError, OutputPathRefused, ConfigValueError)
-
-
-def _first_line(text):
-    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else ""
-
-
-def user_error_line(exc):
-    """(``error: ...`` line, known) for an exception that ends a tool.
-
-    ``known``: the message is already a cause a user can act on (our one-line errors, bad
-    inputs, a diverging loss, a missing file, a bad config key); otherwise the line names the
-    exception type and the caller should keep the traceback somewhere the user can find it.
-    """
-    try:  # torch.multiprocessing: a worker's exception arrives as text (its traceback)
-        from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-    except ImportError:  # pragma: no cover - older torch
-        ProcessExitedException = ProcessRaisedException = ()
-    known = _known()
-    if isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
-        text = str(exc).strip()
-        last = text.splitlines()[-1].strip() if text else type(exc).__name__
-        cls, _, msg = last.partition(": ")
-        if msg and cls.rsplit(".", 1)[-1] in {k.__name__ for k in known}:
-            return f"error: {msg}", True
-        return f"error: a training process failed: {last}", False
-    if isinstance(exc, known):
-        line = _first_line(exc)
-        return (line if line.startswith("error: ") else f"error: {line}"), True
-    if isinstance(exc, OSError) and exc.filename:
-        return f"error: {exc.strerror or type(exc).__name__}: {exc.filename}", True
-    if isinstance(exc, FileNotFoundError):
-        return f"error: {_first_line(exc)}", True
-    if isinstance(exc, KeyError) and "config key" in str(exc):
-        return f"error: config: {exc.args[0]}", True
-    return f"error: unexpected {type(exc).__name__}: {_first_line(exc)}", False
-
-
-def run_tool(main, argv=None):
-    """Exit status of ``main(argv)``: 0, or 1 after printing its ``error: ...`` line last on
-    stderr (the traceback too, before it, only when the cause is not one of ours)."""
-    import sys
-    import traceback
-
-    try:
-        main(argv)
-    except Exception as e:  # noqa: BLE001 - every failure ends with one actionable line
-        line, known = user_error_line(e)
-        sys.stdout.flush()
-        if not known:
-            sys.stderr.write(traceback.format_exc())
-        sys.stderr.write(line + "\n")
-        return 1
-    return 0
-
-
-def last_error_line(lines):
-    """The ``error: ...`` line a failed tool printed last (e.g. a pipeline stage's train_net),
-    or None: what a caller shows instead of its own traceback (``raise ToolError(line)``)."""
-    for line in reversed(list(lines)):
-        if line.strip():
-            return line.strip() if line.strip().startswith("error: ") else None
-    return None

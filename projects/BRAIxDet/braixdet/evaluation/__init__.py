@@ -1,4 +1,4 @@
-"""BRAIxDet evaluation: numpy AP / FROC, detectron2 evaluators, overlays."""
+"""BRAIxDet evaluation: numpy AP / FROC, detectron2 evaluators, breast and exam scores."""
 from .classification_evaluator import ClassificationEvaluator, classification_metrics
 from .mammo_evaluator import MammoDetectionEvaluator, build_evaluator, plot_froc
 from .metrics import average_precision, box_iou_coco, froc, match_detections

@@ -14,7 +14,7 @@ predecessor document (a new version, not a duplicate). A re-sent instance change
 ``workers`` threads take studies from the queue, each with its own ``ExamPredictor``
 (the association threads only store files and call ``arrived``, they never wait on the model).
 A worker predicts the study's stored files exactly as tools/predict.py does (``ExamPredictor``
-exam grouping and pairing, ``evaluation/sr.py`` SR and GSPS, ``exam_scores`` scores) and
+exam grouping and pairing, ``inference/sr.py`` SR and GSPS, ``exam_scores`` scores) and
 commits the result version with ``Spool.commit``; ``on_committed`` then wakes the sender.
 
 Restart (``recover``): a study whose stored instances are not all covered by its last committed
@@ -34,9 +34,9 @@ import pydicom
 from pydicom.uid import generate_uid
 
 from ..data.report import BadInputReport
-from ..evaluation.deidentify import PseudonymMap
 from ..evaluation.exam_scores import breast_exam_scores, image_score
-from ..evaluation.sr import exam_sr, image_presentation_state
+from ..inference.deidentify import PseudonymMap
+from ..inference.sr import exam_sr, image_presentation_state
 from .scp import ReceivedInstance, instance_view
 from .spool import Spool
 from .status import NodeStatus
@@ -220,7 +220,7 @@ class StudyScheduler:
         outputs, srs, n_images, n_boxes = {}, [], 0, 0
         exams = predictor.exams(list(files.values()), report)
         with contextlib.ExitStack() as stack:
-            # the user's PseudonymMap (evaluation/deidentify.py), locked while this study's
+            # the user's PseudonymMap (inference/deidentify.py), locked while this study's
             # results are made; none: the SR and GSPS carry the images' own patient module
             pseudonyms = stack.enter_context(PseudonymMap(self.sr_pseudonym_map, self.spool.root)
                                              ) if self.sr_pseudonym_map else None

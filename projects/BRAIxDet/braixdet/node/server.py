@@ -36,7 +36,7 @@ class NodeSettings:
     quiet_period: float = 30.0
     workers: int = 1
     score_thresh: float = 0.05
-    sr_pseudonym_map: Optional[str] = None  # PseudonymMap file (evaluation/deidentify.py)
+    sr_pseudonym_map: Optional[str] = None  # PseudonymMap file (inference/deidentify.py)
     retry_base: float = 5.0
     retry_max: float = 300.0
     min_free_mb: int = 512

@@ -11,7 +11,7 @@ whole process group); re-run to continue.
 import argparse
 import sys
 
-from ..engine.preflight import run_tool
+from ..cli import run_tool
 from .core import Pipeline, add_pipeline_arguments
 from .core import __doc__ as PIPELINE_DOC
 

@@ -14,13 +14,11 @@ import os
 import shutil
 import time
 
-from detectron2.data import DatasetCatalog
+import numpy as np
 
 from ..config import build_cfg, register_datasets
-from ..data.dicom import read_dicom_image
-from ..evaluation.overlay import draw_overlay
+from ..inference.visualize import dataset_items, load_predictions, render
 from ..model_zoo import config_root, get_config_file
-from ..utils import safe_output_path
 from ..utils.io import atomic_write_json, atomic_write_text
 from .core import Pipeline, add_pipeline_arguments
 from .experiments import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
@@ -61,25 +59,17 @@ def make_data(root, spec, seed=DATA_SEED):
 
 
 def draw_overlays(out_dir, det_dir, test_name, n=4):
-    """GT (blue) and BRAIxDet teacher detections (red) on a few malignant test images."""
+    """GT (blue) and the three best BRAIxDet teacher detections (red) on a few malignant test
+    images."""
     det_file = os.path.join(det_dir, "inference", "model", test_name, "detections_coco.json")
     if not os.path.exists(det_file):
         return []
-    with open(det_file) as f:
-        dets = json.load(f)
-    test = [d for d in DatasetCatalog.get(test_name) if d.get("annotations")][:n]
-    os.makedirs(out_dir, exist_ok=True)
-    written = []
-    for d in test:
-        img, _ = read_dicom_image(d["file_name"])
-        mine = [r for r in dets if r.get("braixdet_image_id") == str(d["image_id"])]
-        mine = sorted(mine, key=lambda r: -r["score"])[:3]
-        boxes = [[x, y, x + w, y + h] for x, y, w, h in (r["bbox"] for r in mine)]
-        png = safe_output_path(out_dir, d["image_id"], ".png")
-        draw_overlay(img, [a["bbox"] for a in d["annotations"]], boxes,
-                     [r["score"] for r in mine], png)
-        written.append(png)
-    return written
+    items = []
+    for key, file_name, lat, gt, (boxes, scores) in dataset_items(
+            test_name, load_predictions(det_file), only_with_lesions=True)[:n]:
+        best = np.argsort(-scores, kind="stable")[:3]
+        items.append((key, file_name, lat, gt, (boxes[best], scores[best])))
+    return render(items, out_dir)
 
 
 def report(tables, summary, spec, quick, seeds, minutes, overlays, out):

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from ..engine.preflight import run_tool
+from ..cli import run_tool
 from ..utils.io import atomic_write_bytes, atomic_write_json
 from .core import Pipeline, add_pipeline_arguments
 from .results import paper_table

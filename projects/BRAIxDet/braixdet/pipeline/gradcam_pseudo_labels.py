@@ -26,6 +26,7 @@ from detectron2.modeling import build_model
 from detectron2.utils.logger import setup_logger
 
 from braixdet.cam import CamSettings, write_cam_boxes
+from braixdet.cli import ToolError, run_tool
 from braixdet.config import build_cfg, inference_cfg, register_datasets
 from braixdet.data.mapper import MultiViewDatasetMapper
 from braixdet.evaluation.cam_detector import evaluate_cam_detector, quality_line
@@ -53,7 +54,7 @@ def main(argv=None):
     args = parse_args(argv)
     setup_logger(name="braixdet")
     if not (args.evaluate or args.out):
-        sys.exit("error: --out is required unless --evaluate is given")
+        raise ToolError("error: --out is required unless --evaluate is given")
     cfg = inference_cfg(build_cfg(args.config_file, args.opts), args.weights)
     names = register_datasets(cfg)
     settings = CamSettings.from_cfg(cfg, tau=args.tau)
@@ -78,4 +79,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

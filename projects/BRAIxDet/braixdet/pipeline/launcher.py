@@ -20,7 +20,7 @@ from typing import Optional
 
 import submitit
 
-from ..engine.preflight import ToolError
+from ..cli import ToolError
 from .core import Pipeline
 from .experiments import run_experiments, seed_args
 from .methods import CAM_ONLY, STAGE1

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from ..engine.preflight import ToolError, last_error_line
+from ..cli import ToolError, last_error_line
 from ..utils.io import atomic_write_json, open_no_follow
 
 DONE = "stage_done.json"

@@ -16,15 +16,16 @@ from detectron2.engine import default_argument_parser, default_setup, launch
 from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 
+from braixdet.cli import run_tool
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.engine import trainer_class
-from braixdet.engine.output_lock import acquire_output_lock
-from braixdet.engine.preflight import check_before_training, check_disk_space, user_error_line
+from braixdet.engine.preflight import check_before_training, check_disk_space
 from braixdet.utils.checkpoint import load_inference_weights
 from braixdet.utils.io import refuse_links
+from braixdet.utils.output_lock import acquire_output_lock
 from braixdet.utils.runtime import end_distributed
 
-_LOCKS = []  # OUTPUT_DIR locks taken by this process (released by cli, else at exit)
+_LOCKS = []  # OUTPUT_DIR locks taken by this process (released by launch_training, else at exit)
 _OUTPUT_DIRS = []
 
 
@@ -54,7 +55,7 @@ def main(args):
     try:
         result = _main(args)
     except Exception:
-        _to_log_file(traceback.format_exc())  # the console gets one line (see cli)
+        append_to_log(traceback.format_exc())  # the console gets one line (see cli)
         raise
     end_distributed()
     return result
@@ -76,7 +77,7 @@ def _main(args):
     return trainer.train()
 
 
-def _to_log_file(text):
+def append_to_log(text):
     """Append ``text`` to this run's log file (OUTPUT_DIR/log.txt[.rankN]), not the console."""
     if not _OUTPUT_DIRS:
         return  # failed before default_setup: no log file (nothing is written before the lock)
@@ -91,25 +92,21 @@ def _to_log_file(text):
                 pass
 
 
-def cli(argv=None):
-    """Parse ``argv``, run, and return the exit status (1 with one ``error:`` line last)."""
+def launch_training(argv):
+    """Parse ``argv`` and run ``main`` on ``--num-gpus`` processes; OUTPUT_DIR unlocked after."""
     args = default_argument_parser().parse_args(argv)
     try:
         launch(main, args.num_gpus, num_machines=args.num_machines,
                machine_rank=args.machine_rank, dist_url=args.dist_url, args=(args,))
-    except Exception as e:  # noqa: BLE001 - every failure ends with one actionable line
-        line, known = user_error_line(e)
-        _to_log_file(line + "\n")
-        sys.stdout.flush()
-        if not known:  # a bug rather than a cause: the traceback helps
-            sys.stderr.write(traceback.format_exc())
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        return 1
     finally:
         while _LOCKS:
             _LOCKS.pop().release()
-    return 0
+
+
+def cli(argv=None):
+    """Parse ``argv``, run, and return the exit status (1 with one ``error:`` line last, also
+    in the run's log file)."""
+    return run_tool(launch_training, argv, log=append_to_log)
 
 
 if __name__ == "__main__":

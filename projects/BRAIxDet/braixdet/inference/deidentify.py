@@ -1,6 +1,6 @@
 """De-identification of the SR and presentation states (``--sr-pseudonymise``): DICOM PS3.15
 Annex E, Basic Application Level Confidentiality Profile, applied to the source headers the
-writers copy from (``evaluation/sr.py``).
+writers copy from (``inference/sr.py``).
 
 * Patient: a RANDOM pseudonym per patient (PatientID ``BXD-<16 hex>``, PatientName
   ``BRAIXDET^<same hex>``, never empty: viewers refuse an empty name), kept in a mapping file

@@ -12,11 +12,12 @@ output folder (one run per folder: ``acquire_output_lock``):
   no path.
 * ``sr/exam_<k>.dcm`` (``--format sr|both``): one TID 1500 Comprehensive SR per exam, and
   ``pr/<record_id>.dcm``, a Grayscale Softcopy Presentation State per image that viewers draw
-  (``evaluation/sr.py``); the only outputs with the patient / study identity of the images
-  (``sr_pseudonym_map``: de-identified with the user's mapping file, ``evaluation/deidentify.py``).
+  (``inference/sr.py``); the only outputs with the patient / study identity of the images
+  (``sr_pseudonym_map``: de-identified with the user's mapping file, ``inference/deidentify.py``).
   A source file that cannot be read again when they are written is one ``sr_source_missing``
   line naming it; the SR and presentation states of the exam's other images are still written.
-* ``<record_id>.png`` overlays (boxes >= ``overlay_thresh`` on the original image) and
+* ``<record_id>.png`` overlays (boxes >= ``overlay_thresh`` on the original image, from the
+  decode that made the model's pixels: ``ExamPredictor(keep_images=True)``) and
   ``exams/exam_<k>.png``, the exam's views side by side (R CC, R MLO, L CC, L MLO; our choice).
 * ``report.json``: one line per bad input, the counts. Its paths are relative to the ``--input``
   they were found under (an input's own folder names, e.g. a medical record number, stay out).
@@ -25,8 +26,8 @@ output folder (one run per folder: ``acquire_output_lock``):
   ``predictions.json`` that does not list them); it never touches other files.
 
 Refused before anything is predicted (one line): ``sr/``, ``pr/`` or ``exams/`` being a symbolic
-link (the outputs would land outside the folder). A refused output file (a planted symlink) or
-an unreadable image at overlay time is one bad-input line; the run goes on. Library warnings
+link (the outputs would land outside the folder). A refused output file (a planted symlink) is
+one bad-input line; the run goes on. Library warnings
 (pydicom, highdicom) quote header values, so during a run they are counted and logged without
 their text. SIGTERM ends the run like Ctrl-C: the temporary cache of canonical images is
 deleted. Default ``formats`` = json (our choice: the SR is opt-in, since it carries patient
@@ -43,15 +44,12 @@ import threading
 import warnings
 
 import cv2
-import numpy as np
 import pydicom
 from pydicom.errors import InvalidDicomError
 
-from ..data.dicom import read_dicom_image
 from ..data.report import BadInputError, BadInputReport
+from ..data.views import load_views_csv
 from ..evaluation.exam_scores import breast_exam_scores, image_score
-from ..evaluation.overlay import draw_overlay
-from ..evaluation.sr import exam_sr, image_presentation_state, read_source_header
 from ..utils import safe_output_path
 from ..utils.io import (
     OutputPathRefused,
@@ -60,8 +58,11 @@ from ..utils.io import (
     open_no_follow,
     refuse_link,
 )
-from .output_lock import acquire_output_lock
+from ..utils.output_lock import acquire_output_lock
+from .deidentify import PseudonymMap
 from .predictor import ExamPredictor
+from .sr import exam_sr, image_presentation_state, read_source_header
+from .visualize import draw_overlay, exam_montage
 
 __all__ = ["FORMATS", "detections_record", "predict_to_folder"]
 
@@ -208,31 +209,26 @@ def _png(name, image):
     return png.tobytes()
 
 
-def _overlays(preds, exam_no, outputs, thresh, allow_for_processing, report):
-    """Per-image overlays and the exam montage; a failed image is one report line."""
+def _overlays(preds, exam_no, outputs, thresh, report):
+    """Per-image overlays and the exam montage, on the images the predictor kept; a refused
+    output file is one report line."""
     tiles = []
     order = {("R", "CC"): 0, ("R", "MLO"): 1, ("L", "CC"): 2, ("L", "MLO"): 3}
     for pred in sorted(preds, key=lambda p: (order.get((p.meta.laterality, p.meta.view), 9),
                                              p.record_id)):
+        keep = pred.scores >= thresh
+        bgr = draw_overlay(pred.image, [], pred.boxes[keep], pred.scores[keep])
         try:
-            # decoded again: display only, not model input
-            image, _ = read_dicom_image(pred.meta.path, allow_for_processing=allow_for_processing)
-            keep = pred.scores >= thresh
-            bgr = draw_overlay(image, [], pred.boxes[keep], pred.scores[keep])
             outputs.write("", pred.record_id, ".png", _png(pred.record_id, bgr), fsync=False)
-        except BadInputError as e:  # e.g. the file vanished after prediction
-            report.add(e)
-            continue
         except OutputPathRefused as e:  # a planted symlink: this file only
             report.add(BadInputError(e.path, "refused_output", e.reason))
             continue
-        scale = _MONTAGE_HEIGHT / bgr.shape[0]
-        tiles.append(cv2.resize(bgr, (max(1, round(bgr.shape[1] * scale)), _MONTAGE_HEIGHT),
-                                interpolation=cv2.INTER_AREA))
+        tiles.append(bgr)
     if tiles:
         try:
             outputs.write("exams", f"exam_{exam_no}", ".png",
-                          _png(f"exam_{exam_no}", np.hstack(tiles)), fsync=False)
+                          _png(f"exam_{exam_no}", exam_montage(tiles, _MONTAGE_HEIGHT)),
+                          fsync=False)
         except OutputPathRefused as e:
             report.add(BadInputError(e.path, "refused_output", e.reason))
 
@@ -289,9 +285,7 @@ def predict_to_folder(cfg, weights, inputs, out_dir, *, formats="json", score_th
     """Predict ``inputs`` and write the outputs above into ``out_dir``; returns the
     predictions.json dict (also when the JSON format is off). ``sr_pseudonym_map``: the user's
     mapping file (created when absent, outside ``out_dir``): de-identified SRs and
-    presentation states (``evaluation/deidentify.py``)."""
-    from ..evaluation.deidentify import PseudonymMap
-
+    presentation states (``inference/deidentify.py``)."""
     if formats not in FORMATS:
         raise ValueError(f"format must be one of {sorted(FORMATS)}, got {formats!r}")
     if sr_pseudonym_map is not None and "sr" not in FORMATS[formats]:
@@ -323,9 +317,6 @@ def predict_to_folder(cfg, weights, inputs, out_dir, *, formats="json", score_th
 
 def _predict(cfg, weights, inputs, outputs, report, formats, pseudonyms, *, score_thresh,
              overlay_thresh, overlays, share_features, num_workers, views_csv):
-    from ..data.views import load_views_csv
-
-    allow_fp = cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING
     overrides = load_views_csv(views_csv, report) if views_csv else None
     records, exams_out = [], []
     # Exam.key is a public-salt hash of (patient, study or date): a PatientID could be found
@@ -333,8 +324,8 @@ def _predict(cfg, weights, inputs, outputs, report, formats, pseudonyms, *, scor
     # its keys tell this run's exams apart and link to nothing outside it.
     secret = secrets.token_bytes(32)
     run_key = lambda k: hmac.new(secret, k.encode("utf-8"), "sha256").hexdigest()[:16]
-    with ExamPredictor(cfg, weights, share_features=share_features,
-                       num_workers=num_workers) as predictor:
+    with ExamPredictor(cfg, weights, share_features=share_features, num_workers=num_workers,
+                       keep_images=overlays) as predictor:
         exams = predictor.exams(inputs, report, overrides=overrides)
         for exam_no, (exam, preds) in enumerate(predictor.predict_exams(exams, report)):
             if not preds:
@@ -349,7 +340,7 @@ def _predict(cfg, weights, inputs, outputs, report, formats, pseudonyms, *, scor
             for pred in preds:
                 records.append({**detections_record(pred, score_thresh), "exam": exam_no})
             if overlays:
-                _overlays(preds, exam_no, outputs, overlay_thresh, allow_fp, report)
+                _overlays(preds, exam_no, outputs, overlay_thresh, report)
             if "sr" in formats:
                 _write_sr(preds, breast_scores, exam_scores[exam_no], exam_no, outputs,
                           score_thresh, pseudonyms, report)

@@ -12,6 +12,11 @@ the auxiliary input. ``ExamPredictor``:
   the ``CanonicalCache`` of a test-time ``MultiViewDatasetMapper`` built from the config
   (``braixdet/data/mapper.py``; same canonical size, mask parameters, 16-bit quantisation,
   format), so the model never sees other pixels at inference than in evaluation;
+* reads each file twice at most: its header once (``exams``: the exams must be known before
+  any pixel is read), then header and pixels in ONE ``dcmread`` whose decode serves both the
+  canonical image and, with ``keep_images``, the original image for overlays
+  (``ImagePrediction.image``, uint8); a cache hit skips the decode unless the original is
+  kept;
 * encodes each image once per exam (``MultiViewRCNN.inference_exam``) and returns, per image, the
   boxes in ORIGINAL DICOM pixel coordinates with their scores;
 * decodes and canonicalises the next exams in ``num_workers`` DataLoader worker processes while
@@ -43,12 +48,14 @@ import torch
 from detectron2.modeling import build_model
 from detectron2.structures import Instances
 
-from ..data.dicom import DicomMeta, pseudonymise, read_dicom_meta
+from ..config import inference_cfg
+from ..data.dicom import DicomMeta, pseudonymise, read_dicom_image, read_dicom_meta
 from ..data.mapper import MultiViewDatasetMapper
 from ..data.pairing import pair_views
 from ..data.report import BadInputError, BadInputReport
 from ..data.views import normalize_laterality, normalize_view
 from ..utils.checkpoint import load_inference_weights
+from .visualize import display_image
 
 __all__ = ["DICOM_SUFFIXES", "Exam", "ExamPredictor", "ImagePrediction", "ViewPair",
            "assign_record_ids", "find_dicoms", "group_exams", "pair_exam", "read_metas"]
@@ -90,6 +97,7 @@ class ImagePrediction:
     aux_missing: bool
     instances: Instances
     record_id: str = ""  # unique per input file (module doc)
+    image: Optional[np.ndarray] = None  # original image, uint8 grey (``keep_images``), or None
 
     @property
     def boxes(self) -> np.ndarray:
@@ -306,9 +314,18 @@ def assign_record_ids(exams: Sequence[Exam], report: BadInputReport) -> List[Exa
             for e in exams]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pixels:
+    """One image as the model and the overlays get it."""
+
+    canonical: torch.Tensor  # (1, H, W) float32
+    transform: object  # original -> canonical TransformList
+    original: Optional[torch.Tensor] = None  # (rows, cols) uint8 (``keep_images``), else None
+
+
 class _ExamPixels(torch.utils.data.Dataset):
-    """Item i: {path: (pixels, transform) or a ``_Failed``} of exam i's images (DataLoader
-    workers compute them; errors travel as values so the report stays in the main process)."""
+    """Item i: {path: ``_Pixels`` or a ``_Failed``} of exam i's images (DataLoader workers
+    compute them; errors travel as values so the report stays in the main process)."""
 
     def __init__(self, load, exams):
         self.load, self.exams = load, exams
@@ -338,14 +355,20 @@ def _as_is(item):
 
 
 class _Loader:
-    """Picklable image loader for the workers: the mapper's cache only, not the model."""
+    """Picklable image loader for the workers: the mapper's cache only, not the model.
+    ``keep_original``: the file is decoded (one ``dcmread``) even on a cache hit, for its
+    original image; on a miss that decode is the one the canonical image is made from."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, cache, keep_original=False):
+        self.cache, self.keep_original = cache, bool(keep_original)
 
-    def __call__(self, meta: DicomMeta):
+    def __call__(self, meta: DicomMeta) -> _Pixels:
+        decoded = None
+        if self.keep_original:  # a BadInputError here is the one the cache would raise
+            decoded = read_dicom_image(meta.path, self.cache.allow_for_processing)
         try:
-            img, tfm, info = self.cache.get_with_info(meta.path, meta.laterality)
+            img, tfm, info = self.cache.get_with_info(meta.path, meta.laterality,
+                                                      decoded=decoded)
         except ValueError as e:  # e.g. an empty image; the mapper skips these too
             raise BadInputError(meta.path, "unsupported", str(e).replace("\n", " ")) from None
         if info.get("laterality_disagreement"):
@@ -354,7 +377,10 @@ class _Loader:
             raise BadInputError(meta.path, "laterality_conflict", (
                 f"the tags say {meta.laterality}, the chest wall is on the image's "
                 f"{info.get('chest_wall_side')} (mass ratio {info.get('mass_ratio', 0):.2f})"))
-        return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)[None]), tfm
+        # tensors, not arrays: DataLoader workers hand them over in shared memory
+        original = None if decoded is None else torch.from_numpy(display_image(decoded[0]))
+        return _Pixels(torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)[None]), tfm,
+                       original)
 
 
 class ExamPredictor:
@@ -368,14 +394,14 @@ class ExamPredictor:
     ``share_features=False`` runs the model once per (main, aux) pair instead of encoding each
     image once per exam (same detections; for checking). ``cache_dir``: see the module doc.
     ``num_workers``: DataLoader processes decoding ahead of the model (0: serial, same results).
+    ``keep_images``: each prediction keeps its original image (``ImagePrediction.image``, uint8)
+    from the decode that made the model's pixels, for overlays (tools/predict.py).
     """
 
     def __init__(self, cfg, weights: str, share_features: bool = True,
-                 cache_dir: Optional[str] = None, num_workers: int = 2):
-        cfg = cfg.clone()
-        cfg.defrost()
-        cfg.MODEL.WEIGHTS = str(weights)  # the encoder is not built from ImageNet weights
-        cfg.freeze()
+                 cache_dir: Optional[str] = None, num_workers: int = 2,
+                 keep_images: bool = False):
+        cfg = inference_cfg(cfg, weights)  # the encoder is not built from ImageNet weights
         self.cfg = cfg
         self.model = build_model(cfg)
         load_inference_weights(self.model, weights)
@@ -384,6 +410,7 @@ class ExamPredictor:
         if int(num_workers) < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.num_workers = int(num_workers)
+        self.keep_images = bool(keep_images)
         self.allow_for_processing = bool(cfg.INPUT.BRAIXDET.ALLOW_FOR_PROCESSING)
         self._tmp = None
         cache_dir = cache_dir or cfg.INPUT.BRAIXDET.CACHE_DIR
@@ -419,7 +446,8 @@ class ExamPredictor:
     def load(self, meta: DicomMeta):
         """(canonical (1, H, W) float32 tensor, original -> canonical transform) of one image,
         from the mapper's cache (computed on a miss). Raises BadInputError."""
-        return _Loader(self.mapper.cache)(meta)
+        pixels = _Loader(self.mapper.cache)(meta)
+        return pixels.canonical, pixels.transform
 
     # -- inference ------------------------------------------------------------------------------
     def predict_exams(self, exams: Sequence[Exam], report: BadInputReport):
@@ -427,7 +455,8 @@ class ExamPredictor:
         ``num_workers`` DataLoader workers meanwhile (our choice: one exam per item, so the
         model always gets a whole exam)."""
         loader = torch.utils.data.DataLoader(
-            _ExamPixels(_Loader(self.mapper.cache), list(exams)), batch_size=None,
+            _ExamPixels(_Loader(self.mapper.cache, self.keep_images), list(exams)),
+            batch_size=None,
             shuffle=False, num_workers=self.num_workers, collate_fn=_as_is)
         for exam, pixels in zip(exams, loader):
             yield exam, self.predict_exam(exam, report, pixels)
@@ -438,7 +467,7 @@ class ExamPredictor:
         """Detections of every readable image of one exam, in ``exam.images`` order.
         ``pixels``: an item of ``_ExamPixels`` (computed here when None)."""
         if pixels is None:
-            pixels = _ExamPixels(self.load, [exam])[0]
+            pixels = _ExamPixels(_Loader(self.mapper.cache, self.keep_images), [exam])[0]
         loaded = {}
         for m in exam.images:
             if isinstance(pixels[m.path], _Failed):
@@ -450,8 +479,8 @@ class ExamPredictor:
             return []
         pairs = pair_exam(good, report)  # after loading: a lost partner makes aux_missing
         idx = {m.path: i for i, m in enumerate(good)}
-        images = [loaded[m.path][0] for m in good]
-        transforms = [loaded[m.path][1] for m in good]
+        images = [loaded[m.path].canonical for m in good]
+        transforms = [loaded[m.path].transform for m in good]
         sizes = [(int(m.rows), int(m.cols)) for m in good]  # as the dataset dicts' height/width
         index_pairs = [(idx[p.main.path], idx[(p.aux or p.main).path]) for p in pairs]
         if self.share_features:
@@ -462,9 +491,12 @@ class ExamPredictor:
                                  "transforms": transforms[mi], "height": sizes[mi][0],
                                  "width": sizes[mi][1]}])[0] for mi, ai in index_pairs]
         record = {m.path: exam.record_id(i) for i, m in enumerate(exam.images)}
+        original = {path: px.original for path, px in loaded.items()}
         return [ImagePrediction(meta=p.main, aux_sop_uid=(p.aux or p.main).sop_uid,
                                 aux_missing=p.aux is None, instances=o["instances"].to("cpu"),
-                                record_id=record[p.main.path])
+                                record_id=record[p.main.path],
+                                image=None if original[p.main.path] is None else
+                                original[p.main.path].numpy())
                 for p, o in zip(pairs, outs)]
 
     def __call__(self, inputs: Iterable[str], report: Optional[BadInputReport] = None

@@ -17,13 +17,13 @@ so that PACS viewers draw the same boxes (POLYLINE, PIXEL units) with their scor
 The SR and the presentation states are the outputs that carry the patient and study identity of
 their source images (highdicom copies the patient / study modules of the (first) image): a PACS
 files them beside the images. ``pseudonyms`` (a ``PseudonymMap``, research) de-identifies the
-source headers first (PS3.15 Basic Profile, ``evaluation/deidentify.py``), so the SR and every
+source headers first (PS3.15 Basic Profile, ``inference/deidentify.py``), so the SR and every
 presentation state of a study carry one pseudonym and the same replacement UIDs.
 
 Each presentation state carries its image's Laterality (General Series, Type 2C) and, for a
 MONOCHROME1 image, Presentation LUT Shape INVERSE (IDENTITY would show it as a negative).
 The writers read the source headers (``read_source_header``); a header that is gone or not
-DICOM raises, and the caller writes the SR of the other images (``predict_outputs.py``).
+DICOM raises, and the caller writes the SR of the other images (``inference/outputs.py``).
 """
 import warnings
 from typing import Dict, List, Sequence
