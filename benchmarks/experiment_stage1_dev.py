@@ -57,6 +57,12 @@ def scored(pipe, stage_dir, weights, out, opts):
     return result
 
 
+def learns(export):
+    """§11's criterion on the export: validation BCE below chance and test AUC >= 0.75."""
+    return (export["val"]["BCE"] < LEARNS["val_bce_max"]
+            and export["test"]["AUC"] >= LEARNS["test_auc_min"])
+
+
 def export_iteration(stage_dir):
     """The iteration the trainer exported (its log line), or None."""
     with open(os.path.join(stage_dir, "log.txt")) as f:
@@ -89,11 +95,10 @@ def run_candidate(a, name):
     export = scored(pipe, out, os.path.join(stage, "model_export.pth"),
                     os.path.join(out, "eval", "export"), args.stage1_opts)
     it = export_iteration(stage)
-    learns = (export["val"]["BCE"] < LEARNS["val_bce_max"]
-              and export["test"]["AUC"] >= LEARNS["test_auc_min"])
     ranks = sorted((e["test_AUC"] for e in epochs), reverse=True)
     return {"candidate": name, "opts": opts, "epochs": epochs, "export_iteration": it,
-            "export": export, "learns": learns, "train_minutes": round(marker["seconds"] / 60, 1),
+            "export": export, "learns": learns(export),
+            "train_minutes": round(marker["seconds"] / 60, 1),
             "train_cpu_minutes": round(marker["cpu_seconds"] / 60, 1),
             "export_test_auc_rank": 1 + ranks.index(export["test"]["AUC"])
             if export["test"]["AUC"] in ranks else None}

@@ -50,6 +50,25 @@ def test_experiment_scripts_import_and_parse(name, monkeypatch, capsys):
     assert e.value.code == 0 and "--data-seed" in capsys.readouterr().out
 
 
+def test_stage1_dev_criterion_at_its_edges(monkeypatch, capsys):
+    """RESULTS §11: stage 1 learns when its export's validation BCE is below chance (ln 2) and
+    its test AUC is at least 0.75; the script parses its arguments through main()."""
+    import math
+
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    from experiment_stage1_dev import learns, main
+
+    def export(val_bce, test_auc):
+        return {"val": {"BCE": val_bce}, "test": {"AUC": test_auc}}
+
+    assert learns(export(0.69, 0.75))
+    assert not learns(export(math.log(2), 0.9))  # at chance: not below it
+    assert not learns(export(0.5, 0.749))
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--candidates" in capsys.readouterr().out
+
+
 def test_benchmark_regime_criteria_and_settings(monkeypatch, tmp_path):
     """The criteria of docs/RESULTS.md §10 at their edges, and --set refused for unknown keys
     (the experiment itself is hours of CPU: not run here)."""
