@@ -85,19 +85,19 @@ def main(argv=None):
     out, t0 = os.path.abspath(a.out), time.time()
     cells = {}
     for seed in a.seeds:
-        first = None
+        done = []  # this seed's earlier runs: stage 1 from the first, STAC's teacher from any
         for method in a.methods:
             for t in a.thresholds:
                 run_dir = os.path.join(out, method, f"t{t:g}", f"s{seed}")
                 os.makedirs(run_dir, exist_ok=True)
-                if first is not None:
-                    share(first, run_dir)
+                for src in done:
+                    share(src, run_dir)
                 methods = ["faster_rcnn", method] if method == "stac" else [method]
                 print(f"\n##### seed {seed}, {method}, threshold {t:g} "
                       f"({(time.time() - t0) / 60:.1f} min so far)", flush=True)
                 summary = Pipeline(run_args(a, seed, run_dir, methods,
                                             threshold_opts(method, t))).run_all()
-                first = first or run_dir
+                done.append(run_dir)
                 test = _flat(summary["results"][METHODS[method].label])
                 cells.setdefault((method, t), []).append({
                     "val_AP": validation_value(run_dir, method),
