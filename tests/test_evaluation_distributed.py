@@ -1,6 +1,7 @@
 """Evaluators under detectron2's launch with 2 CPU processes (gloo): rank 0 == single process."""
 import json
 import os
+import sys
 import uuid
 from datetime import timedelta
 
@@ -72,6 +73,12 @@ def _worker(name, out_dir, result_file):
     else:
         assert res == {}, res
     end_distributed()
+    # Leave without the interpreter's teardown: a rank's gloo threads were seen to abort the
+    # process (SIGABRT) there now and then after destroy_process_group, once the results were
+    # written (3 of ~40 runs on the 2-core machine); the test is about the evaluation.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_process_evaluation_equals_single_process(tmp_path):
