@@ -19,7 +19,6 @@ import glob
 import json
 import math
 import os
-import re
 
 from experiment_benchmark_regime import make_regime
 from experiment_ratio_grid import run_args
@@ -64,10 +63,8 @@ def learns(export):
 
 
 def export_iteration(stage_dir):
-    """The iteration the trainer exported (its log line), or None."""
-    with open(os.path.join(stage_dir, "log.txt")) as f:
-        found = re.findall(r"Exported model: iteration (\d+)", f.read())
-    return int(found[-1]) if found else None
+    """The iteration the trainer exported, as its export file records it (engine/hooks.py)."""
+    return safe_torch_load(os.path.join(stage_dir, "model_export.pth"))["selected"]["iteration"]
 
 
 def run_candidate(a, name):
