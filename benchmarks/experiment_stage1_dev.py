@@ -36,6 +36,8 @@ CANDIDATES = {
     "A": [],  # as is (256x128): the "before"
     # the film's own pixels; 2 epochs (CPU time: the §11 amendment), compared with A's first 2
     "B": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "2.0"],
+    # B for A's 5 epochs (§11, second amendment): is the film's resolution all of the cause?
+    "B5": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "5.0"],
 }
 
 
