@@ -81,7 +81,8 @@ def _sorted(boxes, scores):
 def test_predictor_equals_evaluation_path(setup):
     """Same image, same aux partner: the predictor (DICOM tags, exam pairing, one encoding per
     image per exam) gives the boxes and scores of the model run on the registered dataset
-    through build_multiview_test_loader + inference_on_dataset (evaluation)."""
+    through build_multiview_test_loader + inference_on_dataset (evaluation), the predictor's
+    encoder in channels-last memory (CPU), the evaluation's as trained."""
     cfg, dicts = setup["cfg"], setup["dicts"]
     eval_cfg = cfg.clone()
     eval_cfg.defrost()
@@ -89,6 +90,8 @@ def test_predictor_equals_evaluation_path(setup):
     report = BadInputReport("predict")
     with ExamPredictor(cfg.clone(), setup["weights"]) as predictor:
         assert predictor.mapper.cache.root.startswith(str(setup["tmp"] / "eval_cache"))
+        assert all(p.is_contiguous(memory_format=torch.channels_last) for p in
+                   predictor.model.backbone.bottom_up.encoder.parameters() if p.dim() == 4)
         preds = {p.meta.sop_uid: p for p in predictor([str(setup["exams"])], report)}
         # the model inputs themselves: bit-identical to the evaluation mapper's (its cache
         # entries are the originals', computed apart from the copies' the predictor read)
