@@ -23,16 +23,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys):
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys, load_tool):
     monkeypatch.setenv("BENCH_THREADS", "1")
     out = tmp_path / "report.md"
     args = [*CASES[name]] + ([] if name == "benchmark_evaluator" else ["--device", "cpu"])
     if name not in ("benchmark_preprocess", "benchmark_evaluator"):
         args += ["--out", str(out)]
     monkeypatch.setattr(sys, "argv", [name + ".py", *args])
-    module = __import__(name)
-    module.main()
+    load_tool(name, folder="benchmarks").main()
     text = capsys.readouterr().out
     assert "|" in text  # printed a table
     if name not in ("benchmark_preprocess", "benchmark_evaluator"):
@@ -40,23 +38,22 @@ def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["experiment_ratio_grid", "experiment_pseudo_threshold"])
-def test_experiment_scripts_import_and_parse(name, monkeypatch, capsys):
+def test_experiment_scripts_import_and_parse(name, capsys, load_tool):
     """The development-set experiments (hours of CPU, never run here) import and parse their
     arguments through main(): a renamed package name they use fails here, not on the next run."""
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-    module = __import__(name)
+    module = load_tool(name, folder="benchmarks")
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
     assert e.value.code == 0 and "--data-seed" in capsys.readouterr().out
 
 
-def test_stage1_dev_criterion_at_its_edges(monkeypatch, capsys):
+def test_stage1_dev_criterion_at_its_edges(capsys, load_tool):
     """RESULTS §11: stage 1 learns when its export's validation BCE is below chance (ln 2) and
     its test AUC is at least 0.75; the script parses its arguments through main()."""
     import math
 
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-    from experiment_stage1_dev import learns, main
+    script = load_tool("experiment_stage1_dev", folder="benchmarks")
+    learns, main = script.learns, script.main
 
     def export(val_bce, test_auc):
         return {"val": {"BCE": val_bce}, "test": {"AUC": test_auc}}
@@ -69,11 +66,11 @@ def test_stage1_dev_criterion_at_its_edges(monkeypatch, capsys):
     assert e.value.code == 0 and "--candidates" in capsys.readouterr().out
 
 
-def test_benchmark_regime_criteria_and_settings(monkeypatch, tmp_path):
+def test_benchmark_regime_criteria_and_settings(tmp_path, load_tool):
     """The criteria of docs/RESULTS.md §10 at their edges, and --set refused for unknown keys
     (the experiment itself is hours of CPU: not run here)."""
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-    from experiment_benchmark_regime import check, make_regime, parse_sets
+    script = load_tool("experiment_benchmark_regime", folder="benchmarks")
+    check, make_regime, parse_sets = script.check, script.make_regime, script.parse_sets
 
     assert check(45.0, 60.0)["all_met"]  # gap exactly 15
     assert not check(45.0, 59.9)["all_met"]

@@ -27,6 +27,9 @@ import os
 import shutil
 import tempfile
 
+from detectron2.data import DatasetCatalog, MetadataCatalog
+
+from ..data.report import BadInputError
 from ..utils.modules import unwrap
 
 __all__ = ["PreflightError", "check_before_training", "check_disk_space",
@@ -117,10 +120,6 @@ def _dataset_roles(cfg, eval_only):
 
 
 def _check_datasets(cfg, eval_only):
-    from detectron2.data import DatasetCatalog, MetadataCatalog
-
-    from ..data.report import BadInputError
-
     for key, names in _dataset_roles(cfg, eval_only):
         if not names and key != "DATASETS.TEST":
             raise PreflightError(f"{key}: no dataset configured (set DATASETS.BRAIXDET.ROOT, or "

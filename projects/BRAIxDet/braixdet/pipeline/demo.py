@@ -21,8 +21,8 @@ from ..inference.visualize import dataset_items, load_predictions, render
 from ..model_zoo import config_root, get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
 from .core import Pipeline, add_pipeline_arguments
-from .experiments import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
 from .results import format_classifiers, format_table
+from .seeds import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
 
 METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
 # several seeds make the paper-style table: every row, the competitors too (about 29 min a

@@ -1,80 +1,20 @@
-"""Several seeds of the pipeline on one dataset, ending in the paper-style table.
-
-Per seed, one Pipeline run with every method into <out>/s<seed>/ (its own split and stage-1
-models). Then, as in the paper's tables: mean ± std (ddof=1) over seeds of AP@0.2 and
-Recall@0.5 FPPI per row, the stage-1 classifiers' AUC, and the one-tailed Welch t-test of
-BRAIxDet against the second best row. Written to <out>/summary.md and summary.json.
+"""tools/run_experiments.py's command line: several seeds of the pipeline (seeds.py), in
+process or as submitit jobs (launcher.py), ending in the paper-style table.
 
 ``python -m braixdet.pipeline.experiments`` (console script ``braixdet-experiments``) is
 tools/run_experiments.py installed: the same arguments, from any directory.
 """
 import argparse
-import copy
-import os
 import sys
-import time
 
 from ..cli import run_tool
-from ..utils.io import atomic_write_bytes, atomic_write_json
-from .core import Pipeline, add_pipeline_arguments
-from .results import paper_table
-
-# the rows of the paper's Table 6
-DEFAULT_METHODS = ["cam_only", "faster_rcnn", "faster_rcnn_mv", "ssl_single_view",
-                   "mean_teacher", "braixdet"]
-NOT_RANKED = ("Rows whose means differ by less than their seed spread (std) are not ranked: "
-              "the difference is within noise.")
-
-
-def seed_args(args, seed, out):
-    """The pipeline arguments of one seed (its own split, stage 1 and folder)."""
-    a = copy.copy(args)
-    a.seed, a.out = seed, os.path.join(out, f"s{seed}")
-    return a
-
-
-def run_seeds(args, seeds, out, per_seed_out=None, job=None):
-    """Pipeline runs of ``args`` for each seed -> [summary]; per_seed_out(seed) names the
-    folder of a seed (default <out>/s<seed>); ``job="summary"``: read finished stages only
-    (the cluster launcher's summary job, launcher.py)."""
-    per_seed = []
-    t0 = time.time()
-    for i, seed in enumerate(seeds):
-        print(f"\n##### seed {seed} ({i + 1}/{len(seeds)}), "
-              f"{(time.time() - t0) / 60:.1f} min so far", flush=True)
-        a = seed_args(args, seed, out)
-        if per_seed_out is not None:
-            a.out = per_seed_out(seed)
-        per_seed.append(Pipeline(a, job=job).run_all())
-    return per_seed
-
-
-def write_experiments(per_seed, seeds, out, minutes):
-    """<out>/summary.md and summary.json of the seed runs; returns (markdown, summary)."""
-    md, summary = paper_table(per_seed)
-    summary["minutes"] = round(minutes, 1)
-    os.makedirs(out, exist_ok=True)
-    atomic_write_bytes(os.path.join(out, "summary.md"), (
-        md + f"\n\nSeeds {list(seeds)}; mean ± std (ddof=1). {NOT_RANKED}\n").encode())
-    atomic_write_json(os.path.join(out, "summary.json"), summary, indent=1)
-    return md, summary
-
-
-def run_experiments(args, seeds, out, job=None):
-    """The whole grid: run_seeds then write_experiments; returns the summary dict."""
-    out = os.path.abspath(out)
-    t0 = time.time()
-    per_seed = run_seeds(args, seeds, out, job=job)
-    md, summary = write_experiments(per_seed, seeds, out, (time.time() - t0) / 60)
-    print("\n" + md)
-    print(f"\nwrote {out}/summary.md and summary.json ({summary['minutes']} min)")
-    return summary
+from .core import add_pipeline_arguments
+from .launcher import add_launcher_arguments, launch
+from .seeds import DEFAULT_METHODS, run_experiments
 
 
 def parse_args(argv=None, description=__doc__):
     """tools/run_experiments.py's arguments: the pipeline's, the launcher's and --seeds."""
-    from .launcher import add_launcher_arguments  # launcher.py imports this module
-
     ap = argparse.ArgumentParser(description=description.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=description.split("\n\n", 1)[1])
@@ -87,8 +27,6 @@ def parse_args(argv=None, description=__doc__):
 
 def run(args):
     """In process (default), or as submitit jobs (--launcher local/slurm, --dry-run)."""
-    from .launcher import launch
-
     if args.launcher != "inprocess" or args.dry_run:
         return launch(args, args.seeds, args.out)
     return run_experiments(args, args.seeds, args.out)

@@ -22,8 +22,8 @@ import submitit
 
 from ..cli import ToolError
 from .core import Pipeline
-from .experiments import run_experiments, seed_args
 from .methods import CAM_ONLY, STAGE1
+from .seeds import run_experiments, seed_args
 
 SUMMARY = "summary"
 POLL_S = 0.5  # how often the local launcher looks at its running jobs
