@@ -38,6 +38,12 @@ CANDIDATES = {
     "B": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "2.0"],
     # B for A's 5 epochs (§11, second amendment): is the film's resolution all of the cause?
     "B5": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "5.0"],
+    # third amendment: at A's 256x128, one suspect each (is a part of BRAIxMVCCL the cause?)
+    "SV": ["MODEL.BRAIXDET.MULTI_VIEW", "False"],  # single view: no LCM, no GCM
+    "GCM0": ["MODEL.BRAIXDET.GCM.LOSS_WEIGHT", "0.0"],  # no consistency loss
+    "REG": ["MODEL.BRAIXDET.CLS_DROPOUT", "0.5", "MODEL.BRAIXDET.LCM.DROPOUT", "0.1",
+            "INPUT.BRAIXDET.AUG.BRIGHTNESS", "0.3", "INPUT.BRAIXDET.AUG.CONTRAST", "0.3"],
+    "LR": ["SOLVER.BASE_LR", "0.00005"],  # a quarter of the demo's 2e-4 (paper 1e-4)
 }
 
 
