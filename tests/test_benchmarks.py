@@ -81,3 +81,19 @@ def test_benchmark_regime_criteria_and_settings(tmp_path, load_tool):
     with pytest.raises(SystemExit, match="not a make_synthetic_dataset setting: contrast"):
         make_regime("benchmark_a", {"contrast": 0.5}, str(tmp_path))
     assert not os.listdir(tmp_path)  # refused before writing anything
+
+
+def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
+    """experiment_box_sources.py (issue 27 items 3 and 5; hours of CPU, not run here): the
+    quality means split at the fusion phase the trainer logged; main() parses its arguments."""
+    script = load_tool("experiment_box_sources", folder="benchmarks")
+    curves = {"fused": {"precision": [(19, 0.5), (39, 1.0), (59, 0.0)], "recall": [(19, 0.2)]}}
+    assert script.mean_quality(curves, 0, 39) == {"fused_precision": 0.75, "fused_recall": 0.2}
+    assert script.mean_quality(curves, 40, 59) == {"fused_precision": 0.0}
+    (tmp_path / "log.txt").write_text(
+        "[11/25 18:00:00 braixdet.engine.trainers]: Algorithm 2: GradCAM fusion during the "
+        "first 40 iterations\n")
+    assert script._fusion_end(str(tmp_path)) == 39
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    assert e.value.code == 0 and "--stage1" in capsys.readouterr().out
