@@ -2,7 +2,7 @@
 """Algorithm 2 fed by three box sources (issue 27 item 3), with the pseudo-label quality over
 training (item 5), on development set D.
 
-  python benchmarks/experiment_box_sources.py --out out/dev_d [--stage1 A]
+  python benchmarks/experiment_box_sources.py --out out/dev_d [--stage1 A] [--seed 1]
 
 Three BRAIxDet rows, the same seed, split and stage-1 model: the fusion fed with GradCAM's boxes
 (Algorithm 1, the method), with D_w's true cancer boxes (``braixdet_oracle_boxes``: its upper
@@ -10,7 +10,8 @@ bound) and with random boxes inside the breast (``braixdet_random_boxes``: a low
 trained with ``SSL.PSEUDO_QUALITY True``. Where GradCAM's row sits between the two bounds says
 whether the loss is in Algorithm 1 (box quality) or in the fusion. The stage-1 model is the one
 ``experiment_stage1_dev.py`` trained for candidate ``--stage1`` in <out>/<candidate> (reused, not
-retrained: same arguments, same done-marker). Writes <out>/box_sources.md and .json (AP@0.2 and
+retrained: same arguments, same done-marker); another ``--seed`` trains its own in
+<out>/<candidate>_s<seed> (its own split). Writes <out>/box_sources.md and .json (AP@0.2 and
 Recall@0.5 FPPI per row, the mean pseudo-box precision and recall per source over the fusion
 phase and after it) and <out>/pseudo_quality_<row>.png. Not part of `make bench` (CPU hours).
 """
@@ -42,13 +43,13 @@ def mean_quality(curves, first, last):
     return out
 
 
-def quality_of(run_dir, key):
+def quality_of(run_dir, key, suffix=""):
     """Pseudo-box quality of one row's run: its curves, plotted, and their means in the fusion
     phase (SSL.CAM_EPOCHS) and after it."""
     stage = os.path.join(run_dir, key)
     curves = read_quality_curves(os.path.join(stage, "metrics.json"))
     plot_quality_curves(curves, os.path.join(os.path.dirname(run_dir),
-                                             f"pseudo_quality_{key}.png"),
+                                             f"pseudo_quality_{key}{suffix}.png"),
                         title=f"{METHODS[key].label}: D_w pseudo-boxes vs truth (set D)")
     last = max((it for m in curves.values() for pts in m.values() for it, _ in pts), default=0)
     fusion_end = _fusion_end(stage)
@@ -89,24 +90,26 @@ def main(argv=None):
                     help="the stage-1 candidate whose model the rows start from")
     ap.add_argument("--seed", type=int, default=0, help="protocol / training seed")
     ap.add_argument("--det-epochs", type=float, default=3.0, help="stage 2 (the demo's)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     a = ap.parse_args(argv)
     a.out = os.path.abspath(a.out)
     a.size, a.stage1_epochs = (256, 128), 5.0  # as experiment_stage1_dev.py's candidates
     a.root, record = make_regime("benchmark_a", dict(DEV_SET), a.out)
-    run_dir = os.path.join(a.out, a.stage1)
+    suffix = "" if a.seed == 0 else f"_s{a.seed}"  # seed 0: experiment_stage1_dev's folder
+    run_dir = os.path.join(a.out, a.stage1 + suffix)
     args = run_args(a, "partial", "1/8", a.seed, run_dir, list(ROWS))
-    args.opts = [*args.opts, "NUM_THREADS", "1"]  # as experiment_stage1_dev.py
+    args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]  # 1: as experiment_stage1_dev.py
     args.stage1_opts = [*args.stage1_opts, *CANDIDATES[a.stage1]]
     args.det_opts = [*args.det_opts, "SSL.PSEUDO_QUALITY", "True"]
     summary = Pipeline(args).run_all()
     by_key = {METHODS[k].label: k for k in ROWS}
-    rows = {by_key[label]: {**metrics, "quality": quality_of(run_dir, by_key[label])}
+    rows = {by_key[label]: {**metrics, "quality": quality_of(run_dir, by_key[label], suffix)}
             for label, metrics in summary["results"].items()}
     out = {"dev_set": record, "stage1": a.stage1, "seed": a.seed, "rows": rows,
            "cam_quality": summary["cam_quality"], "classifiers": summary["classifiers"]}
-    atomic_write_json(os.path.join(a.out, "box_sources.json"), out, indent=1)
+    atomic_write_json(os.path.join(a.out, f"box_sources{suffix}.json"), out, indent=1)
     text = table(out)
-    atomic_write_text(os.path.join(a.out, "box_sources.md"), text)
+    atomic_write_text(os.path.join(a.out, f"box_sources{suffix}.md"), text)
     print(text)
 
 
