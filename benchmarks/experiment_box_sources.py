@@ -45,7 +45,7 @@ def mean_quality(curves, first, last):
 
 def quality_of(run_dir, key, suffix=""):
     """Pseudo-box quality of one row's run: its curves, plotted, and their means in the fusion
-    phase (SSL.CAM_EPOCHS) and after it."""
+    phase (SSL.CAM_FUSION_EPOCHS, as the trainer logged it) and after it."""
     stage = os.path.join(run_dir, key)
     curves = read_quality_curves(os.path.join(stage, "metrics.json"))
     plot_quality_curves(curves, os.path.join(os.path.dirname(run_dir),

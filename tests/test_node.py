@@ -168,13 +168,20 @@ def _uids(paths):
     return {str(pydicom.dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in paths}
 
 
-def _send(port, datasets, aet="LOADTEST", contexts=((MG, ExplicitVRLittleEndian),)):
-    """Statuses of C-STORE of ``datasets`` over one association of an SCU AE."""
+def _associate(port, aet, contexts, network_timeout=None):
+    """An association of a test SCU AE with the node (not checked: the caller decides)."""
     ae = AE(aet)
     ae.dimse_timeout = 120  # a shared, loaded test machine can stall an fsync for long
+    if network_timeout is not None:
+        ae.network_timeout = network_timeout
     for cls, ts in contexts:
         ae.add_requested_context(cls, ts)
-    assoc = ae.associate("127.0.0.1", port, ae_title="BRAIXDET")
+    return ae.associate("127.0.0.1", port, ae_title="BRAIXDET")
+
+
+def _send(port, datasets, aet="LOADTEST", contexts=((MG, ExplicitVRLittleEndian),)):
+    """Statuses of C-STORE of ``datasets`` over one association of an SCU AE."""
+    assoc = _associate(port, aet, contexts)
     assert assoc.is_established
     try:
         return [int(assoc.send_c_store(ds).Status) for ds in datasets]
@@ -189,11 +196,8 @@ def _send_all(port, datasets, aet="LOADTEST", attempts=4):
     then the network timeout); the node stored that instance, so the re-send is a duplicate."""
     statuses, todo, resent = [], list(datasets), 0
     for _ in range(attempts):
-        ae = AE(aet)
-        ae.dimse_timeout = 120  # a shared, loaded test machine can stall an fsync for long
-        ae.network_timeout = 30  # a lost response costs this, not a minute
-        ae.add_requested_context(MG, ExplicitVRLittleEndian)
-        assoc = ae.associate("127.0.0.1", port, ae_title="BRAIXDET")
+        # a lost response costs the network timeout: 30 s, not pynetdicom's minute
+        assoc = _associate(port, aet, ((MG, ExplicitVRLittleEndian),), network_timeout=30)
         try:
             while todo and assoc.is_established:
                 rsp = assoc.send_c_store(todo[0])
