@@ -80,7 +80,8 @@ def run_candidate(a, name):
     os.makedirs(out, exist_ok=True)
     args = run_args(a, "partial", a.ratio, a.seed, out, ["cam_only"])
     opts = CANDIDATES[name]
-    args.opts = [*args.opts, "NUM_THREADS", "1"]  # as §9; runs beside other jobs on 2 cores
+    # 1 thread as §9 (runs beside other jobs on 2 cores); --opts last, so it can override
+    args.opts = [*args.opts, "NUM_THREADS", "1", *a.opts]
     args.stage1_opts = [*args.stage1_opts, *opts]
     pipe = Pipeline(args)
     print(f"##### candidate {name}: {' '.join(opts) or '(demo config as is)'}", flush=True)
@@ -138,10 +139,15 @@ def main(argv=None):
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
+    ap.add_argument("--patients", type=int, default=DEV_SET["patients"],
+                    help="patients of the development set's draw (set D: 300)")
+    ap.add_argument("--opts", nargs="*", default=[], metavar="KEY VALUE",
+                    help="config overrides for every run, e.g. MODEL.DEVICE cuda "
+                         "DATALOADER.NUM_WORKERS 8 NUM_THREADS 4 on a GPU machine")
     a = ap.parse_args(argv)
     a.out = os.path.abspath(a.out)
     a.det_epochs = 3.0  # run_args needs it; no detector runs here
-    a.root, record = make_regime("benchmark_a", dict(DEV_SET), a.out)
+    a.root, record = make_regime("benchmark_a", dict(DEV_SET, patients=a.patients), a.out)
     results = [run_candidate(a, name) for name in a.candidates]
     atomic_write_json(os.path.join(a.out, "stage1_dev.json"),
                       {"dev_set": record, "criteria": LEARNS, "results": results}, indent=1)
