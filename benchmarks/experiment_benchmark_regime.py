@@ -7,7 +7,7 @@ Generates the regime (synthetic_mammo.REGIMES, with ``--set KEY=VALUE`` override
 <out>/data when absent, its generator truth (lesions, boxes, pathology: for pseudo-label
 precision / recall and oracle boxes) in <out>/truth.json, then runs ONLY the Faster R-CNN rows
 through the pipeline with the demo configs: 1/8 (<out>/r1_8/s<seed>) and the full-label ceiling
-(``--protocol full``, <out>/full/s<seed>), stage 1 shared as in experiment_ratio_grid.py. No
+(``--protocol full``, <out>/full/s<seed>; pipeline/ceiling.py, stage 1 shared). No
 semi-supervised row: the regime is chosen before any is run (docs/RESULTS.md §10). Prints and
 writes <out>/criteria.json: ceiling − 1/8 ≥ 15 AP@0.2, ceiling ≤ 85, 1/8 in [35, 60].
 Re-running continues where it stopped (the pipeline's done-markers).
@@ -18,10 +18,12 @@ import json
 import os
 import time
 
-from experiment_ratio_grid import classifier_data, run_args, share_stage1
+from experiment_ratio_grid import run_args
 
+from braixdet.pipeline.ceiling import run_ceiling
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.methods import METHODS
+from braixdet.pipeline.results import CEILING
 from braixdet.utils.io import atomic_write_json
 
 CRITERIA = {"gap_min": 15.0, "ceiling_max": 85.0, "floor_range": (35.0, 60.0)}
@@ -78,8 +80,8 @@ def check(floor, ceiling):
             "checks": checks, "all_met": all(checks.values())}
 
 
-def ap20(summary):
-    m = summary["results"][ROW]
+def ap20(summary, row=ROW):
+    m = summary["results"][row]
     return float(m.get("bbox", m)["AP20"])
 
 
@@ -106,17 +108,12 @@ def main(argv=None):
     floor_dir = os.path.join(out, "r" + a.ratio.replace("/", "_"), f"s{a.seed}")
     full_dir = os.path.join(out, "full", f"s{a.seed}")
     os.makedirs(floor_dir, exist_ok=True)
-    os.makedirs(full_dir, exist_ok=True)
     print(f"##### {a.ratio} Faster R-CNN", flush=True)
-    floor = Pipeline(run_args(a, "partial", a.ratio, a.seed, floor_dir, ["faster_rcnn"])).run_all()
-    share_stage1(floor_dir, full_dir)
+    floor_args = run_args(a, "partial", a.ratio, a.seed, floor_dir, ["faster_rcnn"])
+    floor = Pipeline(floor_args).run_all()
     print(f"##### full-label Faster R-CNN ({(time.time() - t0) / 60:.1f} min so far)", flush=True)
-    ceiling_args = argparse.Namespace(**dict(vars(a), det_epochs=a.ceiling_epochs))
-    ceiling = Pipeline(run_args(ceiling_args, "full", "1", a.seed, full_dir,
-                                ["faster_rcnn"])).run_all()
-    if classifier_data(floor_dir) != classifier_data(full_dir):
-        raise SystemExit(f"error: {full_dir}: the stage-1 data differ from {floor_dir}'s")
-    result = dict(check(ap20(floor), ap20(ceiling)), **record, seed=a.seed, ratio=a.ratio,
+    ceiling = run_ceiling(floor_args, full_dir, a.ceiling_epochs)
+    result = dict(check(ap20(floor), ap20(ceiling, CEILING)), **record, seed=a.seed, ratio=a.ratio,
                   classifier=floor["classifiers"], minutes=(time.time() - t0) / 60)
     atomic_write_json(os.path.join(out, "criteria.json"), result, indent=1)
     print(f"\n{a.regime} {record['overrides'] or ''}: {a.ratio} Faster R-CNN "

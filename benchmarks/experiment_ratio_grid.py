@@ -11,23 +11,22 @@ separation 1.5, size_scale 0.8, size_spread 2).
 For each seed and ratio: one pipeline run (braixdet/pipeline) with the demo configs into
 <out>/r<ratio>/s<seed>; with --ceiling also `--protocol full` Faster R-CNN (every box) into
 <out>/full/s<seed>. Stage 1 is trained once per seed and copied to the seed's other runs: its
-data (train_all, val) do not depend on the ratio or the protocol (data/protocols.py), which the
-script checks on the written splits. Re-running continues where it stopped (done-markers).
+data (train_all, val, test) do not depend on the ratio or the protocol (data/protocols.py), which
+the script checks on the written splits. Re-running continues where it stopped (done-markers).
 Writes <out>/grid.md and grid.json: per ratio, mean ± std over seeds of AP@0.2 and R@0.5 and
 one-tailed Welch p-values of each row against --baseline. Not part of `make bench` (hours of
 CPU); the table of docs/RESULTS.md §2.2 comes from it.
 """
 import argparse
-import json
 import os
-import shutil
 import time
 
 import numpy as np
 
 from braixdet.model_zoo import config_root
+from braixdet.pipeline.ceiling import share_stage1, split_ids
 from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
-from braixdet.pipeline.methods import METHODS, STAGE1
+from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import METRICS, summarize
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -41,23 +40,6 @@ def run_args(a, protocol, ratio, seed, out, methods):
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
         "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.det_epochs)])
-
-
-def share_stage1(src, dst):
-    """Copy the finished stage-1 folders of one run of a seed into another run of that seed."""
-    for name in STAGE1:
-        if os.path.exists(os.path.join(src, name, "stage_done.json")) and \
-                not os.path.exists(os.path.join(dst, name)):
-            shutil.copytree(os.path.join(src, name), os.path.join(dst, name), symlinks=True)
-
-
-def classifier_data(run_dir):
-    """(train_all, val) image ids of the run's split file."""
-    folder = os.path.join(run_dir, "splits")
-    name = next(f for f in sorted(os.listdir(folder)) if "_split_" in f)
-    with open(os.path.join(folder, name)) as f:
-        roles = json.load(f)
-    return roles["train_all"], roles["val"]
 
 
 def ratio_table(per_seed, baseline):
@@ -126,7 +108,7 @@ def main(argv=None):
             summary = Pipeline(run_args(a, protocol, ratio, seed, run_dir, methods)).run_all()
             if first is None:
                 first = run_dir
-            elif classifier_data(first) != classifier_data(run_dir):
+            elif split_ids(first) != split_ids(run_dir):
                 raise SystemExit(f"error: {run_dir}: the stage-1 data differ from {first}'s; "
                                  "its copied stage-1 models are not valid here")
             per_run.setdefault(tag, []).append(summary)

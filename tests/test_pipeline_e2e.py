@@ -417,17 +417,18 @@ def run_pipeline_main(load_tool):
     return load_tool("run_pipeline").main
 
 
-def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, capsys,
-                                                       run_pipeline_main):
+def test_full_protocol_trains_braixdet_as_its_supervised_detector(pipeline_run, tmp_path, capsys,
+                                                                  run_pipeline_main):
     """Issue 20 item 1: --protocol full (D_w empty) runs through run_pipeline.main(); BRAIxDet
     trains as its supervised multi-view detector on every box, and the pipeline says so.
     Stage 1 (trained on D_s ∪ D_w, the same images under both protocols) is copied."""
     out = tmp_path / "full"
-    _copy_stage1(pipeline_run["out"], out, ("mvccl", "classifier_single_view"))
-    summary = run_pipeline_main(pipeline_argv(pipeline_run["root"], out,
-                                              ("faster_rcnn", "braixdet"), protocol="full"))
+    _copy_stage1(pipeline_run["out"], out, ("mvccl",))
+    # (Faster R-CNN under the full protocol: test_ceiling_is_faster_rcnn_on_every_box_...)
+    summary = run_pipeline_main(pipeline_argv(pipeline_run["root"], out, ("braixdet",),
+                                              protocol="full"))
     text = capsys.readouterr().out
-    assert set(summary["results"]) == {"Faster R-CNN", "BRAIxDet"}
+    assert set(summary["results"]) == {"BRAIxDet"}
     # the synthetic source has no weakly annotated cases: no pseudo-box, supervised training
     assert "[gradcam] skipped: the full protocol's D_w holds no image" in text
     assert summary["cam_quality"] is None and not (out / "gradcam").exists()
@@ -436,6 +437,42 @@ def test_full_protocol_trains_faster_rcnn_and_braixdet(pipeline_run, tmp_path, c
     assert yaml.safe_load((out / "braixdet" / "config.yaml").read_text())["SSL"]["ENABLED"] is False
     for m in summary["results"].values():
         assert math.isfinite(float(m.get("bbox", m)["AP20"]))
+
+
+def test_ceiling_is_faster_rcnn_on_every_box_of_the_same_split(pipeline_run, tmp_path, capsys):
+    """Issue 27 item 6: the full-label ceiling of a finished 1/8 run (pipeline/ceiling.py):
+    stage 1 copied from that run, not retrained; Faster R-CNN under the full protocol on every
+    training image of the run's train_all; the same validation and test images; one row."""
+    import argparse
+
+    from braixdet.pipeline import add_pipeline_arguments
+    from braixdet.pipeline.ceiling import run_ceiling, split_ids
+    from braixdet.pipeline.results import CEILING
+
+    run = pipeline_run["out"]
+    args = add_pipeline_arguments(argparse.ArgumentParser()).parse_args(
+        pipeline_argv(pipeline_run["root"], run, ("faster_rcnn",)))
+    out = tmp_path / "ceiling"
+    summary = run_ceiling(args, str(out))
+    text = capsys.readouterr().out
+    assert f"[classifier_single_view] skipped: {out / 'classifier_single_view'} is done" in text
+    assert tree_digest(str(out / "classifier_single_view")) == \
+        tree_digest(str(run / "classifier_single_view"))
+    assert set(summary["results"]) == set(summary["row_cpu_seconds"]) == {CEILING}
+    assert math.isfinite(float(summary["results"][CEILING]["bbox"]["AP20"]))
+    roles = ("train_full", "train_weak", "train_all", "val", "test")
+    partial, full = split_ids(str(run), roles), split_ids(str(out), roles)
+    assert full["train_weak"] == [] and sorted(full["train_full"]) == sorted(partial["train_all"])
+    assert len(partial["train_full"]) < len(full["train_full"])
+    assert (full["val"], full["test"]) == (partial["val"], partial["test"])
+
+
+def test_demo_refuses_a_ceiling_without_a_run_to_share(load_tool, tmp_path):
+    """The ceiling reuses a run's split and stage 1: tools/run_demo.py's main() refuses it alone,
+    before it writes anything."""
+    with pytest.raises(SystemExit, match="--methods ceiling needs another row"):
+        load_tool("run_demo").main(["--quick", "--out", str(tmp_path), "--methods", "ceiling"])
+    assert os.listdir(tmp_path) == []
 
 
 def test_competitors_run_through_run_pipeline_main(pipeline_run, tmp_path, capsys,

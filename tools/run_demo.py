@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from braixdet.cli import run_tool
-from braixdet.pipeline.demo import run_demo
+from braixdet.pipeline.demo import CEILING_ROW, run_demo
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 
 
@@ -25,9 +25,9 @@ def parse_args(argv=None):
     seeds.add_argument("--seed", type=int, help="one seed (default 0)")
     seeds.add_argument("--seeds", nargs="+", type=int,
                        help="several seeds: the table shows mean ± std over them")
-    ap.add_argument("--methods", nargs="+", choices=[CAM_ONLY, *METHODS],
-                    help="the rows (default: the demo's four for one seed, every row for "
-                         "several)")
+    ap.add_argument("--methods", nargs="+", choices=[CAM_ONLY, *METHODS, CEILING_ROW],
+                    help="the rows (default: the demo's four and the full-label ceiling for "
+                         "one seed, every row for several)")
     ap.add_argument("--resume", action="store_true",
                     help="keep previous outputs: finished stages are skipped, interrupted "
                          "training resumes (default: recompute everything but the data)")

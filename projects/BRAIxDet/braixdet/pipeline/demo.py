@@ -4,7 +4,8 @@
 2. the pipeline with the demo configs (configs/demo/: the paper's configs at 256x128, offline
    ImageNet EfficientNet-Lite0, short schedules): BRAIxMVCCL and a single-view classifier;
    Algorithm 1 pseudo-boxes and their hit rate; the rows CAM only, Faster R-CNN, Mean Teacher
-   (multi-view SSL without GradCAM) and BRAIxDet at the 1/8 protocol, for each seed
+   (multi-view SSL without GradCAM) and BRAIxDet at the 1/8 protocol, for each seed, and the
+   full-label ceiling (Faster R-CNN on every training box, same split: pipeline/ceiling.py)
 3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
    in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
 """
@@ -20,20 +21,23 @@ from ..config import build_cfg, register_datasets
 from ..inference.visualize import dataset_items, load_predictions, render
 from ..model_zoo import config_root, get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
+from .ceiling import run_ceiling
 from .core import Pipeline, add_pipeline_arguments
-from .results import format_classifiers, format_table
-from .seeds import DEFAULT_METHODS, NOT_RANKED, run_seeds, write_experiments
+from .results import CEILING, format_classifiers, format_table
+from .seeds import DEFAULT_METHODS, NOT_RANKED, run_seeds, seed_args, write_experiments
 
-METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet"]
+CEILING_ROW = "ceiling"  # the --methods name of the full-label reference row
+METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet", CEILING_ROW]
 # several seeds make the paper-style table: every row, the competitors too (about 29 min a
 # seed: 87 min for three, docs/RESULTS.md §1.0a)
-ALL_METHODS = DEFAULT_METHODS + ["stac", "unbiased_teacher", "soft_teacher"]
-# synthetic set, canonical input, schedules (stage-1 / stage-2 epochs); docs/RESULTS.md §1.5
+ALL_METHODS = DEFAULT_METHODS + ["stac", "unbiased_teacher", "soft_teacher", CEILING_ROW]
+# synthetic set, canonical input, schedules (stage-1 / stage-2 epochs; the ceiling's in passes
+# over every boxed image); docs/RESULTS.md §1.5
 DEMO = {
     "full": dict(patients=160, rows=512, cols=320, separation=2.0, size=(256, 128),
-                 stage1_epochs=5.0, det_epochs=3.0),
+                 stage1_epochs=5.0, det_epochs=3.0, ceiling_epochs=3.0),
     "quick": dict(patients=24, rows=256, cols=160, separation=2.0, size=(128, 64),
-                  stage1_epochs=2.0, det_epochs=1.0),
+                  stage1_epochs=2.0, det_epochs=1.0, ceiling_epochs=1.0),
 }
 DATA_SEED = 0  # one synthetic dataset for every seed: seeds vary the split and the training
 CHANCE_AUC = 0.6  # below this the classifier learned nothing: say so next to the table
@@ -84,6 +88,10 @@ def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
              f"CPU; total {minutes:.1f} min.", "", tables, "", NOT_RANKED +
              (" One seed shows no spread: run `tools/run_demo.py --seeds 0 1 2` for it."
               if len(seeds) == 1 else "")]
+    if CEILING in tables:
+        lines += ["", f"{CEILING}: Faster R-CNN trained on the boxes of every training image "
+                  "(the fully labelled protocol; same split, stage 1 and test set), so the 1/8 "
+                  "rows can be read between the 1/8 Faster R-CNN row and it."]
     q = summary.get("cam_quality")
     if q:
         lines += ["", f"GradCAM pseudo-boxes on D_w: {100 * q['box_hit_rate']:.1f}% of "
@@ -117,6 +125,13 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
     ALL_METHODS for several). Returns the (first seed's or the seeds') summary."""
     t0 = time.time()
     seeds = list(seeds)
+    one = len(seeds) == 1
+    methods = list(methods or (METHODS if one else ALL_METHODS))
+    ceiling = CEILING_ROW in methods
+    methods = [m for m in methods if m != CEILING_ROW]
+    if not methods:
+        raise SystemExit(f"error: --methods {CEILING_ROW} needs another row: the ceiling is "
+                         "scored on that run's split, from its stage-1 classifier")
     spec = DEMO["quick" if quick else "full"]
     base = os.path.abspath(out)
     out = os.path.join(base, "demo_quick" if quick else "demo")
@@ -124,10 +139,12 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
         shutil.rmtree(out, ignore_errors=True)
     root = os.path.join(base, "data_quick" if quick else "data")
     make_data(root, spec)
-    one = len(seeds) == 1
-    methods = list(methods or (METHODS if one else ALL_METHODS))
     args = pipeline_args(root, out, spec, base, seeds[0], methods)
     per_seed = run_seeds(args, seeds, out, per_seed_out=(lambda s: out) if one else None)
+    if ceiling:
+        for seed, summary in zip(seeds, per_seed):
+            add_ceiling(seed_args(args, seed, out) if not one else args, summary,
+                        spec["ceiling_epochs"])
     first = Pipeline(args if one else pipeline_args(root, os.path.join(out, f"s{seeds[0]}"),
                                                     spec, base, seeds[0], methods))
     if one:
@@ -143,6 +160,16 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
     print("\n" + text)
     print(f"outputs in {out}")
     return summary
+
+
+def add_ceiling(args, summary, epochs):
+    """The full-label ceiling of the finished run ``args`` (in <run>/ceiling) as the last row of
+    its ``summary`` and results.json."""
+    print(f"\n##### full-label ceiling of {args.out} ({epochs:g} epochs)", flush=True)
+    ceiling = run_ceiling(args, os.path.join(args.out, "ceiling"), epochs)
+    summary["results"].update(ceiling["results"])
+    summary.setdefault("row_cpu_seconds", {}).update(ceiling["row_cpu_seconds"])
+    atomic_write_json(os.path.join(args.out, "results.json"), summary, indent=1)
 
 
 def _overlays(pipeline, out):
