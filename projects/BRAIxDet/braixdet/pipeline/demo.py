@@ -44,9 +44,12 @@ CHANCE_AUC = 0.6  # below this the classifier learned nothing: say so next to th
 
 
 def make_data(root, spec, seed=DATA_SEED):
-    """Generate the synthetic dataset once; a marker beside it (not inside) records the spec."""
+    """Generate the synthetic dataset once; a marker beside it (not inside) records the spec.
+    ``spec["generator"]``: further make_synthetic_dataset settings (texture, look-alikes)."""
     marker = root.rstrip("/") + ".json"
-    want = {k: spec[k] for k in ("patients", "rows", "cols", "separation")} | {"seed": seed}
+    extra = dict(spec.get("generator", {}))
+    want = {k: spec[k] for k in ("patients", "rows", "cols", "separation")} | {"seed": seed} \
+        | extra
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f) == want:
@@ -58,7 +61,7 @@ def make_data(root, spec, seed=DATA_SEED):
     print(f"=== [data] synthetic dataset: {spec['patients']} patients -> {root}", flush=True)
     make_synthetic_dataset(root, patients=spec["patients"], image_size=(spec["rows"], spec["cols"]),
                            lesion_rate=0.7, seed=seed, separation=spec["separation"],
-                           progress=True)
+                           progress=True, **extra)
     atomic_write_json(marker, want)
 
 
