@@ -97,3 +97,27 @@ def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         script.main(["--help"])
     assert e.value.code == 0 and "--stage1" in capsys.readouterr().out
+
+
+def test_demo_data_criteria_and_candidates(capsys, load_tool):
+    """RESULTS §1.8 (the demo's data; CPU hours, not run here): the criteria at their edges,
+    every candidate a make_synthetic_dataset setting, main() parses its arguments."""
+    import inspect
+
+    from synthetic_mammo import make_synthetic_dataset
+
+    script = load_tool("experiment_demo_data", folder="benchmarks")
+
+    def qualifies(auc, floor, ceiling):
+        return script.verdict({"mvccl_test_auc": auc, "floor_ap20": floor,
+                               "ceiling_ap20": ceiling})[1]
+
+    assert qualifies(0.75, 70.0, 80.0) and qualifies(0.9, 80.0, 90.0)  # edges pass
+    assert not qualifies(0.749, 70.0, 85.0)  # stage 1 does not learn
+    assert not qualifies(0.9, 75.1, 85.0)  # gap under 10
+    assert not qualifies(0.9, 70.0, 90.1)  # ceiling above 90
+    known = set(inspect.signature(make_synthetic_dataset).parameters)
+    assert all(set(c) <= known for c in script.CANDIDATES.values())
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    assert e.value.code == 0 and "--candidates" in capsys.readouterr().out
