@@ -121,3 +121,15 @@ def test_demo_data_criteria_and_candidates(capsys, load_tool):
     with pytest.raises(SystemExit) as e:
         script.main(["--help"])
     assert e.value.code == 0 and "--candidates" in capsys.readouterr().out
+
+
+def test_table6_experiment_parses_and_refuses_an_unknown_setting(tmp_path, capsys, load_tool):
+    """experiment_table6.py (issue 27 item 2; hours of CPU, not run here) parses through main()
+    and refuses a generator key it does not know before writing anything."""
+    script = load_tool("experiment_table6", folder="benchmarks")
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    assert e.value.code == 0 and "--ceiling-epochs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a make_synthetic_dataset setting: contrast"):
+        script.main(["--regime", "benchmark_a", "--set", "contrast=0.5", "--out", str(tmp_path)])
+    assert not os.listdir(tmp_path)

@@ -489,3 +489,45 @@ def test_demo_overlays_draw_the_three_best_detections_of_lesion_images(tmp_path)
     assert tuple(im[2, 7]) == GT_COLOR
     assert [tuple(im[10 + 20 * k, 25]) == DET_COLOR for k in range(4)] == [True, False, True,
                                                                            True]
+
+
+def test_paired_effect_against_scipy_and_exact_cases():
+    """Issue 27 item 2: effects paired by seed. The mean difference, its t interval and the
+    paired t-test equal the one-sample test on the differences (scipy, another function); the
+    exact Wilcoxon p of five positive differences, one-tailed, is 1/32."""
+    from scipy import stats
+
+    from braixdet.pipeline.results import paired_effect
+
+    x, y = [70.1, 65.0, 71.4, 60.2, 66.6], [66.0, 64.1, 69.0, 61.0, 62.5]
+    d = np.subtract(x, y)
+    e = paired_effect(x, y)
+    half = stats.t.ppf(0.975, 4) * np.std(d, ddof=1) / np.sqrt(5)
+    assert e["n"] == 5 and e["mean"] == pytest.approx(d.mean())
+    assert (e["ci_low"], e["ci_high"]) == pytest.approx((d.mean() - half, d.mean() + half))
+    assert e["p_t"] == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue)
+    up = paired_effect([1, 2, 3, 4, 5], [0, 0, 0, 0, 0], alternative="greater")
+    assert up["p_wilcoxon"] == pytest.approx(1 / 32)
+    assert np.isnan(paired_effect([1.0], [0.0])["ci_low"])  # one seed: no interval, no test
+    assert np.isnan(paired_effect([1.0, 2.0], [1.0, 2.0])["p_wilcoxon"])  # no difference
+
+
+def test_paired_tables_put_each_component_beside_the_papers_sign():
+    """Table 6's components from the rows of each seed: MV as Faster R-CNN + MV − Faster R-CNN
+    (paper +5.5), only over seeds holding both rows; the ceiling is never compared with."""
+    from braixdet.pipeline.results import CEILING, OURS, paired_tables
+
+    def seed(frcnn, mv, ours):
+        return {"results": {"Faster R-CNN": {"bbox": {"AP20": frcnn}},
+                            "Faster R-CNN + MV": {"bbox": {"AP20": mv}},
+                            OURS: {"bbox": {"AP20": ours}}, CEILING: {"bbox": {"AP20": 99.0}}}}
+
+    md, out = paired_tables([seed(60.0, 55.0, 70.0), seed(62.0, 58.0, 71.0),
+                             seed(58.0, 55.0, 69.0)])
+    mv = out["components"]["MV"]
+    assert mv["n"] == 3 and mv["mean"] == pytest.approx(-4.0)
+    assert mv["paper"] == pytest.approx(90.05 - 84.52)
+    assert "| MV | Faster R-CNN + MV − Faster R-CNN | 3 | -4.0 [" in md and "| +5.5 | no |" in md
+    assert out["components"]["CAM fusion"]["n"] == 0  # no Mean Teacher row: not paired
+    assert set(out["ours_vs"]) == {"Faster R-CNN", "Faster R-CNN + MV"}
+    assert out["ours_vs"]["Faster R-CNN"]["mean"] == pytest.approx(10.0)

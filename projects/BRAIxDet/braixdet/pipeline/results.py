@@ -122,6 +122,75 @@ def summarize(values, baseline, metrics=METRICS):
     return rows
 
 
+# paper Table 6 (ADMANI, fully labelled protocol), AP@0.2 (%), by our row labels (methods.py)
+PAPER_TABLE6_AP20 = {"Faster R-CNN": 84.52, "Faster R-CNN + MV": 90.05, "SSL (single view)": 89.38,
+                     "MV + SSL (Mean Teacher)": 90.51, OURS: 92.78}
+# each component's effect as (name, row with it, row without it), both rows of Table 6
+COMPONENTS = (("MV", "Faster R-CNN + MV", "Faster R-CNN"),
+              ("SSL", "SSL (single view)", "Faster R-CNN"),
+              ("MV under SSL", "MV + SSL (Mean Teacher)", "SSL (single view)"),
+              ("SSL under MV", "MV + SSL (Mean Teacher)", "Faster R-CNN + MV"),
+              ("CAM fusion", OURS, "MV + SSL (Mean Teacher)"))
+
+
+def paired_effect(x, y, alternative="two-sided", confidence=0.95):
+    """The effect x - y paired by seed (x[i], y[i] from the same seed's split and stage 1):
+    its mean, the t interval at ``confidence``, the paired t-test's and the Wilcoxon
+    signed-rank test's p-values (scipy; NaN where n is too small for them)."""
+    d = np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)
+    n, nan = len(d), float("nan")
+    out = {"n": n, "mean": float(np.mean(d)) if n else nan, "ci_low": nan, "ci_high": nan,
+           "p_t": nan, "p_wilcoxon": nan}
+    if n >= 2:
+        sem = float(stats.sem(d))
+        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sem
+        out["ci_low"], out["ci_high"] = out["mean"] - half, out["mean"] + half
+        if sem > 0:
+            out["p_t"] = float(stats.ttest_rel(x, y, alternative=alternative).pvalue)
+        if np.any(d != 0):
+            out["p_wilcoxon"] = float(stats.wilcoxon(d, alternative=alternative).pvalue)
+    return out
+
+
+def _paired_values(per_seed, a, b, metric="AP20"):
+    """(values of row a, of row b) over the seeds that have both."""
+    pairs = [(s["results"][a], s["results"][b]) for s in per_seed
+             if a in s["results"] and b in s["results"]]
+    return ([float(x.get("bbox", x)[metric]) for x, _ in pairs],
+            [float(y.get("bbox", y)[metric]) for _, y in pairs])
+
+
+def paired_tables(per_seed, metric="AP20"):
+    """Markdown of (1) each Table 6 component's effect beside the paper's, (2) BRAIxDet against
+    every other row (one-tailed: BRAIxDet greater), both paired by seed; and their dict."""
+    def cells(e):
+        return (f"{e['n']} | {_fmt(e['mean'], '+.1f')} [{_fmt(e['ci_low'], '+.1f')}, "
+                f"{_fmt(e['ci_high'], '+.1f')}] | {_fmt(e['p_t'], '.4f')} | "
+                f"{_fmt(e['p_wilcoxon'], '.4f')}")
+
+    lines = [f"| component | with − without | seeds | effect on {metric} (%) [95% CI] | paired t "
+             "p (two-sided) | Wilcoxon p | paper Table 6 | same sign |",
+             "|---|---|---|---|---|---|---|---|"]
+    out = {"components": {}, "ours_vs": {}}
+    for name, with_row, without_row in COMPONENTS:
+        e = paired_effect(*_paired_values(per_seed, with_row, without_row, metric))
+        paper = PAPER_TABLE6_AP20[with_row] - PAPER_TABLE6_AP20[without_row]
+        same = "n/a" if math.isnan(e["mean"]) else ("yes" if e["mean"] * paper > 0 else "no")
+        out["components"][name] = dict(e, paper=paper)
+        lines.append(f"| {name} | {with_row} − {without_row} | {cells(e)} | {paper:+.1f} | "
+                     f"{same} |")
+    rows = list(OrderedDict.fromkeys(k for s in per_seed for k in s["results"]))
+    lines += ["", f"| {OURS} − row | seeds | effect on {metric} (%) [95% CI] | paired t p "
+              f"(one-tailed, {OURS} greater) | Wilcoxon p (one-tailed) |", "|---|---|---|---|---|"]
+    for row in rows:
+        if row in (OURS, CEILING):
+            continue
+        e = paired_effect(*_paired_values(per_seed, OURS, row, metric), alternative="greater")
+        out["ours_vs"][row] = e
+        lines.append(f"| {OURS} − {row} | {cells(e)} |")
+    return "\n".join(lines), out
+
+
 def _fmt(x, spec=".2f"):
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
