@@ -10,9 +10,8 @@ experiment_benchmark_regime.py) under <out>/data, then per seed one pipeline run
 mean ± std over seeds; each component's effect (MV, SSL, CAM fusion) paired by seed with its 95%
 interval, paired t and Wilcoxon p-values, beside the paper's Table 6 sign; BRAIxDet against every
 other row (one-tailed). Re-running continues (done-markers). Hours of CPU per seed at the
-paper's image count: run it on a GPU, e.g. ``--set patients=1300 --stage1-opts
-INPUT.BRAIXDET.CANONICAL_SIZE "(512, 256)" --opts MODEL.DEVICE cuda DATALOADER.NUM_WORKERS 4``
-(RESULTS §11: stage 1 learns there). Not part of `make bench`.
+paper's image count: run it on a GPU, e.g. ``--set patients=1300 --size 512 256 --opts
+MODEL.DEVICE cuda DATALOADER.NUM_WORKERS 4`` (RESULTS §11: stage 1 learns there). Not part of `make bench`.
 """
 import argparse
 import os
