@@ -24,6 +24,7 @@ from experiment_benchmark_regime import make_regime
 from experiment_ratio_grid import run_args
 
 from braixdet.pipeline.core import Pipeline
+from braixdet.pipeline.results import read_cam_quality
 from braixdet.pipeline.stages import done_marker, read_json, run_stage
 from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.utils.io import atomic_write_json, atomic_write_text
@@ -102,7 +103,11 @@ def run_candidate(a, name):
                     os.path.join(out, "eval", "export"), args.stage1_opts)
     it = export_iteration(stage)
     ranks = sorted((e["test_AUC"] for e in epochs), reverse=True)
+    # Algorithm 1 from the export (the pipeline's own stage): its boxes on D_w against the
+    # withheld truth, box precision and lesion recall at IoU >= 0.2
+    cam = read_cam_quality(pipe.gradcam(pipe.stage1("mvccl"))) if a.gradcam else None
     return {"candidate": name, "opts": opts, "epochs": epochs, "export_iteration": it,
+            "cam_quality": cam,
             "export": export, "learns": learns(export),
             "train_minutes": round(marker["seconds"] / 60, 1),
             "train_cpu_minutes": round(marker["cpu_seconds"] / 60, 1),
@@ -128,6 +133,14 @@ def table(results):
                      f"{ex['test']['AUC']:.3f} | {r['export_test_auc_rank']} of "
                      f"{len(r['epochs'])} | {'yes' if r['learns'] else 'no'} | "
                      f"{r['train_minutes']} ({r['train_cpu_minutes']}) |")
+    cams = [r for r in results if r.get("cam_quality")]
+    if cams:
+        lines += ["", "| candidate | Algorithm 1 on D_w: boxes on a lesion (precision) | lesions "
+                  "hit (recall) |", "|---|---|---|"]
+        for r in cams:
+            q = r["cam_quality"]
+            lines.append(f"| {r['candidate']} | {100 * q['box_hit_rate']:.1f}% of {q['boxes']} | "
+                         f"{100 * q['lesion_hit_rate']:.1f}% of {q['lesions']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +154,9 @@ def main(argv=None):
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
     ap.add_argument("--patients", type=int, default=DEV_SET["patients"],
                     help="patients of the development set's draw (set D: 300)")
+    ap.add_argument("--gradcam", action="store_true",
+                    help="also Algorithm 1 from each export: box precision and lesion recall "
+                         "on D_w")
     ap.add_argument("--opts", nargs="*", default=[], metavar="KEY VALUE",
                     help="config overrides for every run, e.g. MODEL.DEVICE cuda "
                          "DATALOADER.NUM_WORKERS 8 NUM_THREADS 4 on a GPU machine")

@@ -11,7 +11,8 @@ mean ± std over seeds; each component's effect (MV, SSL, CAM fusion) paired by 
 interval, paired t and Wilcoxon p-values, beside the paper's Table 6 sign; BRAIxDet against every
 other row (one-tailed). Re-running continues (done-markers). Hours of CPU per seed at the
 paper's image count: run it on a GPU, e.g. ``--set patients=1300 --size 512 256 --opts
-MODEL.DEVICE cuda DATALOADER.NUM_WORKERS 4`` (RESULTS §11: stage 1 learns there). Not part of `make bench`.
+MODEL.DEVICE cuda DATALOADER.NUM_WORKERS 4`` (RESULTS §11: stage 1 learns there). Not part
+of `make bench`.
 """
 import argparse
 import os
