@@ -21,11 +21,11 @@ import time
 from experiment_benchmark_regime import make_regime, parse_sets
 
 from braixdet.model_zoo import config_root
-from braixdet.pipeline.ceiling import run_ceiling
+from braixdet.pipeline.ceiling import add_ceiling
 from braixdet.pipeline.core import add_pipeline_arguments
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 from braixdet.pipeline.results import paired_tables, paper_table
-from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds
+from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 ROWS = [*DEFAULT_METHODS, "stac", "unbiased_teacher", "soft_teacher"]
@@ -68,11 +68,7 @@ def main(argv=None):
     args = pipeline_args(a, root)
     per_seed = run_seeds(args, a.seeds, a.run_dir)
     for seed, summary in zip(a.seeds, per_seed):
-        run = os.path.join(a.run_dir, f"s{seed}")
-        print(f"\n##### seed {seed}: full-label ceiling", flush=True)
-        seed_args = argparse.Namespace(**dict(vars(args), seed=seed, out=run))
-        summary["results"].update(
-            run_ceiling(seed_args, os.path.join(run, "ceiling"), a.ceiling_epochs)["results"])
+        add_ceiling(seed_args(args, seed, a.run_dir), summary, a.ceiling_epochs)
     rows_md, rows = paper_table(per_seed)
     effects_md, effects = paired_tables(per_seed)
     minutes = (time.time() - t0) / 60

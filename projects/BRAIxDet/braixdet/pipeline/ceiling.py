@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+from ..utils.io import atomic_write_json
 from .core import Pipeline
 from .methods import METHODS, STAGE1
 from .results import CEILING
@@ -59,3 +60,13 @@ def run_ceiling(args, out, epochs=None):
     summary["results"] = {CEILING: summary["results"][label]}
     summary["row_cpu_seconds"] = {CEILING: summary["row_cpu_seconds"].get(label)}
     return summary
+
+
+def add_ceiling(args, summary, epochs=None):
+    """The ceiling of the finished run ``args`` (in <run>/ceiling) as the last row of that run's
+    ``summary`` and its results.json."""
+    print(f"\n##### full-label ceiling of {args.out}", flush=True)
+    ceiling = run_ceiling(args, os.path.join(args.out, "ceiling"), epochs)
+    summary["results"].update(ceiling["results"])
+    summary.setdefault("row_cpu_seconds", {}).update(ceiling["row_cpu_seconds"])
+    atomic_write_json(os.path.join(args.out, "results.json"), summary, indent=1)

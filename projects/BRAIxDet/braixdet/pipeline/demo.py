@@ -21,7 +21,7 @@ from ..config import build_cfg, register_datasets
 from ..inference.visualize import dataset_items, load_predictions, render
 from ..model_zoo import config_root, get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
-from .ceiling import run_ceiling
+from .ceiling import add_ceiling
 from .core import Pipeline, add_pipeline_arguments
 from .results import CEILING, format_classifiers, format_table
 from .seeds import DEFAULT_METHODS, NOT_RANKED, run_seeds, seed_args, write_experiments
@@ -163,16 +163,6 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
     print("\n" + text)
     print(f"outputs in {out}")
     return summary
-
-
-def add_ceiling(args, summary, epochs):
-    """The full-label ceiling of the finished run ``args`` (in <run>/ceiling) as the last row of
-    its ``summary`` and results.json."""
-    print(f"\n##### full-label ceiling of {args.out} ({epochs:g} epochs)", flush=True)
-    ceiling = run_ceiling(args, os.path.join(args.out, "ceiling"), epochs)
-    summary["results"].update(ceiling["results"])
-    summary.setdefault("row_cpu_seconds", {}).update(ceiling["row_cpu_seconds"])
-    atomic_write_json(os.path.join(args.out, "results.json"), summary, indent=1)
 
 
 def _overlays(pipeline, out):
