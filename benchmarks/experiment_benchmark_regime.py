@@ -85,12 +85,17 @@ def ap20(summary, row=ROW):
     return float(m.get("bbox", m)["AP20"])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_regime_arguments(ap):
+    """--regime, --set and --out: the regime a script generates under <out>/data."""
     ap.add_argument("--regime", required=True, help="a key of synthetic_mammo.REGIMES")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides of the regime's generator settings")
     ap.add_argument("--out", required=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_regime_arguments(ap)
     ap.add_argument("--seed", type=int, default=0, help="protocol / training seed")
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])

@@ -18,7 +18,7 @@ import argparse
 import os
 import time
 
-from experiment_benchmark_regime import make_regime, parse_sets
+from experiment_benchmark_regime import add_regime_arguments, make_regime, parse_sets
 
 from braixdet.model_zoo import config_root
 from braixdet.pipeline.ceiling import add_ceiling
@@ -46,10 +46,7 @@ def pipeline_args(a, root):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--regime", required=True, help="a key of synthetic_mammo.REGIMES")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="overrides of the regime's generator settings")
-    ap.add_argument("--out", required=True)
+    add_regime_arguments(ap)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--methods", nargs="+", default=ROWS, choices=[CAM_ONLY, *METHODS])
