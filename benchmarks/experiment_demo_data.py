@@ -15,13 +15,13 @@ import argparse
 import os
 
 import yaml
+from experiment_stage1_dev import export_iteration
 
 from braixdet.pipeline.ceiling import run_ceiling
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.demo import DEMO, make_data, pipeline_args
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import CEILING
-from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 DEV_DATA_SEED = 1  # the demo's data are seed 0 (demo.DATA_SEED)
@@ -38,10 +38,9 @@ def ap20(metrics):
 def export_position(stage_dir):
     """(iteration of the export, MAX_ITER) of a detector stage: the last epoch's evaluation is
     logged at MAX_ITER - 1, the final one (after training) at MAX_ITER."""
-    selected = safe_torch_load(os.path.join(stage_dir, "model_export.pth"))["selected"]
     with open(os.path.join(stage_dir, "config.yaml")) as f:  # written with MAX_ITER resolved
         max_iter = yaml.safe_load(f)["SOLVER"]["MAX_ITER"]
-    return int(selected["iteration"]), int(max_iter)
+    return export_iteration(stage_dir), int(max_iter)
 
 
 def verdict(r):
@@ -62,9 +61,9 @@ def run_candidate(a, name):
     args = pipeline_args(root, os.path.join(out, "run"), spec, out, 0, ["faster_rcnn"])
     args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]
     print(f"##### candidate {name}: {CANDIDATES[name] or '(the demo data as is)'}", flush=True)
-    floor = Pipeline(args).run_all()
-    ceiling = run_ceiling(args, os.path.join(args.out, "ceiling"), spec["ceiling_epochs"])
     pipe = Pipeline(args)
+    floor = pipe.run_all()
+    ceiling = run_ceiling(args, os.path.join(args.out, "ceiling"), spec["ceiling_epochs"])
     pipe.stage1("mvccl")
     mvccl = pipe.classifier_metrics("mvccl")
     it, last = export_position(os.path.join(args.out, "ceiling", "faster_rcnn"))

@@ -9,7 +9,7 @@ docs/RESULTS.md §2.1, not the demo's: generator seed 1, 100 patients, 512x416 f
 separation 1.5, size_scale 0.8, size_spread 2).
 
 For each seed and ratio: one pipeline run (braixdet/pipeline) with the demo configs into
-<out>/r<ratio>/s<seed>; with --ceiling also `--protocol full` Faster R-CNN (every box) into
+<out>/r<ratio>/s<seed>; with --ceiling also the full-label ceiling (pipeline/ceiling.py) into
 <out>/full/s<seed>. Stage 1 is trained once per seed and copied to the seed's other runs: its
 data (train_all, val, test) do not depend on the ratio or the protocol (data/protocols.py), which
 the script checks on the written splits. Re-running continues where it stopped (done-markers).
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from braixdet.model_zoo import config_root
-from braixdet.pipeline.ceiling import share_stage1, split_ids
+from braixdet.pipeline.ceiling import run_ceiling, share_stage1, split_ids
 from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import METRICS, summarize
@@ -92,26 +92,30 @@ def main(argv=None):
     a = ap.parse_args(argv)
     make_dev_set(a)
     out, t0 = os.path.abspath(a.out), time.time()
-    runs = [("partial", r) for r in a.ratios] + ([("full", "1")] if a.ceiling else [])
     per_run = {}
     for seed in a.seeds:
-        first = None
-        for protocol, ratio in runs:
-            tag = "full" if protocol == "full" else "r" + ratio.replace("/", "_")
+        first = None  # the seed's first run: its stage 1 is copied to the others
+        for ratio in a.ratios:
+            tag = "r" + ratio.replace("/", "_")
             run_dir = os.path.join(out, tag, f"s{seed}")
             os.makedirs(run_dir, exist_ok=True)
             if first is not None:
-                share_stage1(first, run_dir)
-            methods = ["faster_rcnn"] if protocol == "full" else a.methods
-            print(f"\n##### seed {seed}, {tag}: {' '.join(methods)} "
+                share_stage1(first.out, run_dir)
+            print(f"\n##### seed {seed}, {tag}: {' '.join(a.methods)} "
                   f"({(time.time() - t0) / 60:.1f} min so far)", flush=True)
-            summary = Pipeline(run_args(a, protocol, ratio, seed, run_dir, methods)).run_all()
+            run = run_args(a, "partial", ratio, seed, run_dir, a.methods)
+            summary = Pipeline(run).run_all()
             if first is None:
-                first = run_dir
-            elif split_ids(first) != split_ids(run_dir):
-                raise SystemExit(f"error: {run_dir}: the stage-1 data differ from {first}'s; "
+                first = run
+            elif split_ids(first.out) != split_ids(run_dir):
+                raise SystemExit(f"error: {run_dir}: the stage-1 data differ from {first.out}'s; "
                                  "its copied stage-1 models are not valid here")
             per_run.setdefault(tag, []).append(summary)
+        if a.ceiling:
+            print(f"\n##### seed {seed}, full: the ceiling ({(time.time() - t0) / 60:.1f} min "
+                  "so far)", flush=True)
+            per_run.setdefault("full", []).append(
+                run_ceiling(first, os.path.join(out, "full", f"s{seed}")))
     baseline = METHODS[a.baseline].label
     lines = [f"Development set {a.root}; seeds {a.seeds}; mean ± std (ddof=1); p: one-tailed "
              f"Welch t-test of the row > {baseline}.", "",

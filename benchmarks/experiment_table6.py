@@ -19,10 +19,9 @@ import os
 import time
 
 from experiment_benchmark_regime import add_regime_arguments, make_regime, parse_sets
+from experiment_ratio_grid import run_args
 
-from braixdet.model_zoo import config_root
 from braixdet.pipeline.ceiling import add_ceiling
-from braixdet.pipeline.core import add_pipeline_arguments
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 from braixdet.pipeline.results import paired_tables, paper_table
 from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
@@ -31,17 +30,13 @@ from braixdet.utils.io import atomic_write_json, atomic_write_text
 ROWS = [*DEFAULT_METHODS, "stac", "unbiased_teacher", "soft_teacher"]
 
 
-def pipeline_args(a, root):
+def pipeline_args(a):
     """One pipeline run's arguments (its seed and folder are set per seed by run_seeds)."""
-    h, w = a.size
-    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
-        "--dataset", "cbis_ddsm", "--root", root, "--ratio", a.ratio, "--seed", "0",
-        "--out", a.run_dir, "--configs", os.path.join(config_root(), "demo"),
-        "--methods", *a.methods,
-        "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
-        "INPUT.BRAIXDET.CACHE_DIR", os.path.join(a.out, "cache"), *a.opts,
-        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs), *a.stage1_opts,
-        "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.det_epochs), *a.det_opts])
+    args = run_args(a, "partial", a.ratio, 0, a.run_dir, a.methods)
+    args.opts += a.opts
+    args.stage1_opts += a.stage1_opts
+    args.det_opts += a.det_opts
+    return args
 
 
 def main(argv=None):
@@ -60,9 +55,9 @@ def main(argv=None):
     ap.add_argument("--det-opts", nargs="*", default=[], help="overrides for the detectors")
     a = ap.parse_args(argv)
     a.out, t0 = os.path.abspath(a.out), time.time()
-    root, record = make_regime(a.regime, parse_sets(a.set), a.out)
+    a.root, record = make_regime(a.regime, parse_sets(a.set), a.out)
     a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
-    args = pipeline_args(a, root)
+    args = pipeline_args(a)
     per_seed = run_seeds(args, a.seeds, a.run_dir)
     for seed, summary in zip(a.seeds, per_seed):
         add_ceiling(seed_args(args, seed, a.run_dir), summary, a.ceiling_epochs)
