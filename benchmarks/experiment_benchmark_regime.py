@@ -55,8 +55,8 @@ def make_regime(name, sets, out):
         raise SystemExit(f"error: {e}") from None
     root = os.path.join(out, "data")
     marker = os.path.join(out, "regime.json")
-    record = {"regime": name, "overrides": sets,
-              "settings": json.loads(json.dumps(settings))}  # tuples as lists, as stored
+    # tuples as lists, as stored: a re-run with a tuple override (image_size) finds its data
+    record = json.loads(json.dumps({"regime": name, "overrides": sets, "settings": settings}))
     if os.path.exists(os.path.join(root, "exams.csv")):
         with open(marker) as f:
             if json.load(f) != record:

@@ -81,6 +81,12 @@ def test_benchmark_regime_criteria_and_settings(tmp_path, load_tool):
     with pytest.raises(SystemExit, match="not a make_synthetic_dataset setting: contrast"):
         make_regime("benchmark_a", {"contrast": 0.5}, str(tmp_path))
     assert not os.listdir(tmp_path)  # refused before writing anything
+    # a re-run with a tuple override finds its own data (the marker stores lists)
+    sets = parse_sets(["patients=2", "image_size=(96, 64)"])
+    root, record = make_regime("benchmark_a", sets, str(tmp_path))
+    assert make_regime("benchmark_a", sets, str(tmp_path)) == (root, record)
+    with pytest.raises(SystemExit, match="holds another regime's data"):
+        make_regime("benchmark_a", dict(sets, patients=3), str(tmp_path))
 
 
 def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
