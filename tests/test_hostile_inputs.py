@@ -781,6 +781,26 @@ def test_bad_config_value_is_one_line_before_any_data(synthetic_root, tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("key,value,line", [
+    ("SOLVER.BRAIXDET.EPOCHS", "5", "error: config: Type mismatch (<class 'float'> vs. <class "
+     "'int'>) with values (5.0 vs. 5) for config key: SOLVER.BRAIXDET.EPOCHS (write a float "
+     "key's value as 5.0, not 5)"),
+    ("SOLVER.NO_SUCH_KEY", "1", "error: config: Non-existent key: SOLVER.NO_SUCH_KEY: not a "
+     "config key (--opts KEY VALUE ...)"),
+])
+def test_config_key_of_the_wrong_type_or_unknown_is_one_line(synthetic_root, tmp_path, key,
+                                                              value, line):
+    """--opts with an int for a float key (yacs refuses 5 where the config has 5.0) or a key that
+    does not exist ended in an 'unexpected' error and yacs' traceback; now one line naming the
+    key, before anything is written."""
+    out = tmp_path / "out"
+    opts = _tiny(synthetic_root, tmp_path, out, max_iter=1, extra=[key, value])
+    rc, last, err = _cli("mvccl", opts)
+    assert rc == 1 and last == line, err[-2000:]
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert not out.exists()
+
+
 def test_lesion_free_validation_split_refused_unless_opted_in(synthetic_root, tmp_path):
     """Issue 21 item 6: with split seed 4 the session's validation split has no lesion; it used
     to train to the end (AP NaN, "the last model exported")."""

@@ -67,6 +67,11 @@ def user_error_line(exc):
         return f"error: {_first_line(exc)}", True
     if isinstance(exc, KeyError) and "config key" in str(exc):
         return f"error: config: {exc.args[0]}", True
+    if isinstance(exc, AssertionError) and str(exc).startswith("Non-existent key"):  # yacs
+        return f"error: config: {_first_line(exc)}: not a config key (--opts KEY VALUE ...)", True
+    if isinstance(exc, ValueError) and "for config key" in str(exc):  # yacs' type check
+        return f"error: config: {_first_line(exc)} (write a float key's value as 5.0, not 5)", \
+            True
     return f"error: unexpected {type(exc).__name__}: {_first_line(exc)}", False
 
 
