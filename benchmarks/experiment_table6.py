@@ -12,16 +12,21 @@ interval, paired t and Wilcoxon p-values, beside the paper's Table 6 sign; BRAIx
 other row (one-tailed). Re-running continues (done-markers). Hours of CPU per seed at the
 paper's image count: run it on a GPU, e.g. ``--set patients=1300 --size 512 256 --opts
 MODEL.DEVICE cuda DATALOADER.NUM_WORKERS 4`` (RESULTS §11: stage 1 learns there). Not part
-of `make bench`.
+of `make bench`. ``--parallel``: every stage whose inputs are ready runs at once as a local job
+(pipeline/launcher.py, as run_experiments.py --launcher local) and each seed's ceiling as soon
+as its single-view classifier is done: for one large GPU, which one run leaves mostly idle.
 """
 import argparse
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from experiment_benchmark_regime import add_regime_arguments, make_regime, parse_sets
 from experiment_ratio_grid import run_args
 
-from braixdet.pipeline.ceiling import add_ceiling
+from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
+from braixdet.pipeline.launcher import add_launcher_arguments, launch
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 from braixdet.pipeline.results import paired_tables, paper_table
 from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
@@ -39,6 +44,35 @@ def pipeline_args(a):
     return args
 
 
+def ceiling_when_ready(args, epochs, stop):
+    """run_ceiling of one seed's run once the classifier it starts from is done (or never, when
+    ``stop`` is set first: the grid failed)."""
+    marker = os.path.join(args.out, METHODS["faster_rcnn"].init, "stage_done.json")
+    while not os.path.exists(marker):
+        if stop.wait(2.0):
+            return None
+    return run_ceiling(args, os.path.join(args.out, "ceiling"), epochs)
+
+
+def run_parallel(args, seeds, run_dir, ceiling_epochs):
+    """The grid's stages as parallel local jobs, each ceiling beside them; the summaries from
+    the finished stages (run_seeds reading done-markers, as the launcher's summary job)."""
+    jobs = add_launcher_arguments(argparse.ArgumentParser()).parse_args(
+        ["--launcher", "local", "--gpus-per-job", "1", "--cpus-per-job", "2"])
+    grid = argparse.Namespace(**{**vars(args), **vars(jobs)})
+    stop = threading.Event()
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        ceilings = [pool.submit(ceiling_when_ready, seed_args(args, s, run_dir), ceiling_epochs,
+                                stop) for s in seeds]
+        try:
+            launch(grid, seeds, run_dir)
+        finally:
+            stop.set()  # a ceiling still waiting for its classifier will not get it
+        for c in ceilings:
+            c.result()  # its error, if it failed
+    return run_seeds(args, seeds, run_dir, job="summary")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_regime_arguments(ap)
@@ -53,12 +87,15 @@ def main(argv=None):
     ap.add_argument("--opts", nargs="*", default=[], help="overrides for every stage")
     ap.add_argument("--stage1-opts", nargs="*", default=[], help="overrides for stage 1")
     ap.add_argument("--det-opts", nargs="*", default=[], help="overrides for the detectors")
+    ap.add_argument("--parallel", action="store_true",
+                    help="every ready stage at once as a local job, the ceilings beside them")
     a = ap.parse_args(argv)
     a.out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), a.out)
     a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
     args = pipeline_args(a)
-    per_seed = run_seeds(args, a.seeds, a.run_dir)
+    per_seed = run_parallel(args, a.seeds, a.run_dir, a.ceiling_epochs) if a.parallel else \
+        run_seeds(args, a.seeds, a.run_dir)
     for seed, summary in zip(a.seeds, per_seed):
         add_ceiling(seed_args(args, seed, a.run_dir), summary, a.ceiling_epochs)
     rows_md, rows = paper_table(per_seed)

@@ -139,3 +139,37 @@ def test_table6_experiment_parses_and_refuses_an_unknown_setting(tmp_path, capsy
     with pytest.raises(SystemExit, match="not a make_synthetic_dataset setting: contrast"):
         script.main(["--regime", "benchmark_a", "--set", "contrast=0.5", "--out", str(tmp_path)])
     assert not os.listdir(tmp_path)
+
+
+def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_run(
+        tmp_path, capsys, load_tool):
+    """experiment_table6.py --parallel (one large GPU): the grid's stages as local submitit
+    jobs and the ceiling from the copied classifier as soon as that is done, while the rows still
+    train; the serial path then finds every stage done, trains nothing, and writes the same
+    rows."""
+    import json
+
+    script = load_tool("experiment_table6", folder="benchmarks")
+    argv = ["--regime", "benchmark_a", "--set", "patients=40", "--out", str(tmp_path),
+            "--seeds", "0", "--size", "64", "32", "--stage1-epochs", "1.0", "--det-epochs", "0.5",
+            "--ceiling-epochs", "1.0", "--methods", "faster_rcnn"]
+    script.main([*argv, "--parallel"])
+    assert "local job" in capsys.readouterr().out
+    run = tmp_path / "r1_8" / "s0"
+    stages = sorted(run.glob("**/stage_done.json"))
+    markers = {p: p.read_bytes() for p in stages}
+    assert {str(p.relative_to(run).parent) for p in stages} >= {
+        "classifier_single_view", "faster_rcnn", "ceiling/classifier_single_view",
+        "ceiling/faster_rcnn"}
+    assert (run / "ceiling/classifier_single_view/stage_done.json").read_bytes() == \
+        (run / "classifier_single_view/stage_done.json").read_bytes()  # copied, not trained
+    row = json.loads((run / "faster_rcnn/stage_done.json").read_text())
+    ceiling = json.loads((run / "ceiling/faster_rcnn/stage_done.json").read_text())
+    assert ceiling["finished"] - ceiling["seconds"] < row["finished"]  # beside, not after
+    parallel = json.loads((tmp_path / "table6.json").read_text())["rows"]
+    assert [r["method"] for r in parallel["rows"]] == [
+        "Faster R-CNN", "Faster R-CNN, full labels (ceiling)"]
+    script.main(argv)
+    assert {p: p.read_bytes() for p in sorted(run.glob("**/stage_done.json"))} == markers
+    serial = json.loads((tmp_path / "table6.json").read_text())["rows"]
+    assert json.dumps(serial) == json.dumps(parallel)  # as text: one seed's std is NaN
