@@ -110,14 +110,45 @@ def test_plateau_and_best_export_follow_validation(work):
 
     from braixdet.engine.trainers import BRAIxDetTrainer
 
+    on_disk = json.loads((out / "inference" / "model" / "cbis_ddsm_test" / "metrics.json")
+                         .read_text())  # read before test() below writes there again
     model = build_model(t.cfg)
     model.load_state_dict(export["model"])
     again = BRAIxDetTrainer.test(t.cfg, model.eval(), datasets=["cbis_ddsm_test"])
-    on_disk = json.loads((out / "inference" / "model" / "cbis_ddsm_test" / "metrics.json")
-                         .read_text())
     for k in ("AP20", "R@0.5"):
         assert on_disk["bbox"][k] == pytest.approx(again["cbis_ddsm_test"]["bbox"][k],
                                                    nan_ok=True, abs=1e-9)
+
+
+def test_stage1_metrics_on_disk_are_the_exported_classifiers(work):
+    """Stage 1 exports its best validation BCE (what stage 2 starts from): the validation and
+    test metrics it leaves on disk (the pipeline's classifier table) are that model's, not the
+    last iteration's, also when the export is an earlier evaluation (asserted: a high lr makes
+    the last evaluations worse)."""
+    from detectron2.modeling import build_model
+
+    from braixdet.engine.trainers import MVCCLTrainer
+
+    out = work.dir / "stage1_export"
+    t = build_trainer("mvccl", tiny_opts(work.root, out, work.cache, stage="mvccl", max_iter=8,
+                                         eval_period=2, extra=["SOLVER.BASE_LR", "0.05"]))
+    t.train()
+    hook = t.best_export
+    assert hook.exported_iter != hook.last_eval_iter  # the case the re-evaluation is for
+    assert len(t.cfg.DATASETS.TEST) == 2
+    on_disk = {name: json.loads((out / "inference" / "model" / name /
+                                 "classification_metrics.json").read_text())["classification"]
+               for name in t.cfg.DATASETS.TEST}  # read before test() below writes there again
+    export = load_ckpt(out / "model_export.pth")
+    model = build_model(t.cfg)
+    model.load_state_dict(export["model"])
+    again = MVCCLTrainer.test(t.cfg, model.eval())
+    for name in t.cfg.DATASETS.TEST:
+        for k in ("AUC", "BCE", "ACC"):  # JSON writes a one-class split's NaN AUC as null
+            want = again[name]["classification"][k]
+            got = on_disk[name][k]
+            assert math.isnan(want) if got is None else got == pytest.approx(want, abs=1e-9), \
+                (name, k)
 
 
 class DtypeProbe(HookBase):

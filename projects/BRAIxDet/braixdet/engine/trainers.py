@@ -8,8 +8,9 @@ What the base class changes in DefaultTrainer, and why: its own step trainer (re
 iteration for exact resume, a finite-loss check before backward, mixed precision on CPU and GPU:
 detectron2's AMPTrainer is CUDA/fp16 only), a data loader started lazily at the resumed
 iteration, an atomic weights-only checkpointer, and a schedule in epochs
-(config/schedule.py). Detectors also keep the model of the best validation evaluation as the
-exported model (``model_export.pth``). Everything else is builders.
+(config/schedule.py). Both stages keep the model of the best validation evaluation as the
+exported model (``model_export.pth``) and leave its metrics as the run's. Everything else is
+builders.
 """
 import logging
 import os
@@ -456,6 +457,28 @@ class BRAIxTrainerBase(DefaultTrainer):
         self._last_eval_results = self.test(self.cfg, self.model, datasets=self.eval_datasets())
         return self._last_eval_results
 
+    def train(self):
+        results = super().train()
+        self._evaluate_export()
+        return results
+
+    def export_eval_datasets(self):
+        """What the exported model is evaluated on after training: the test sets (the first of
+        DATASETS.TEST is the validation set that chose it)."""
+        return list(self.cfg.DATASETS.TEST)[1:]
+
+    def _evaluate_export(self):
+        """When the exported model is not the last one evaluated, evaluate it again so that
+        the reported metrics are those of the model users deploy and stage 2 starts from."""
+        hook = self.best_export
+        datasets = self.export_eval_datasets() if validation_metric(self.cfg) else []
+        if not datasets or hook.exported_iter in (None, hook.last_eval_iter):
+            return
+        model = build_model(inference_cfg(self.cfg, hook.path))
+        model.load_state_dict(safe_torch_load(hook.path)["model"])
+        logger.info("Metrics of the exported model (iteration %d):", hook.exported_iter)
+        self.test(self.cfg, model.eval(), datasets=datasets)
+
     @classmethod
     def test(cls, cfg, model, evaluators=None, prefix="", datasets=None):
         """Evaluate ``model`` on ``datasets`` (default cfg.DATASETS.TEST); metric keys get
@@ -479,7 +502,12 @@ class BRAIxTrainerBase(DefaultTrainer):
 
 class MVCCLTrainer(BRAIxTrainerBase):
     """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, ReduceLROnPlateau on validation BCE; the
-    best classifier on validation is exported (``model_export.pth``) for stage 2."""
+    best classifier on validation is exported (``model_export.pth``) for stage 2, and its
+    validation and test metrics are the ones left in ``inference/model/`` at the end."""
+
+    def export_eval_datasets(self):
+        # the pipeline's classifier table reads both: they describe the model stage 2 uses
+        return list(self.cfg.DATASETS.TEST)
 
 
 class BRAIxDetTrainer(BRAIxTrainerBase):
@@ -497,23 +525,6 @@ class BRAIxDetTrainer(BRAIxTrainerBase):
             logger.info("Initialised from classifier: %d tensors loaded, %d dropped",
                         len(report["loaded"]), len(report["dropped"]))
         return model
-
-    def train(self):
-        results = super().train()
-        self._evaluate_export_on_test()
-        return results
-
-    def _evaluate_export_on_test(self):
-        """When the exported model is not the last one evaluated, evaluate it on the test set
-        so that the reported test metrics are those of the model users deploy."""
-        hook = self.best_export
-        test_sets = list(self.cfg.DATASETS.TEST)[1:] if validation_metric(self.cfg) else []
-        if not test_sets or hook.exported_iter in (None, hook.last_eval_iter):
-            return
-        model = build_model(inference_cfg(self.cfg, hook.path))
-        model.load_state_dict(safe_torch_load(hook.path)["model"])
-        logger.info("Test metrics of the exported model (iteration %d):", hook.exported_iter)
-        self.test(self.cfg, model.eval(), datasets=test_sets)
 
 
 class StudentTeacherTrainer(BRAIxDetTrainer):

@@ -278,7 +278,8 @@ class Pipeline:
         return int(cfg.SOLVER.MAX_ITER)
 
     def classifier_metrics(self, name):
-        """Validation and test AUC of a stage-1 classifier (its end-of-training evaluation)."""
+        """Validation and test AUC of a stage-1 classifier's exported model (the one stage 2
+        starts from: engine/trainers.py evaluates it again when it was not the last)."""
         out = {}
         folder = os.path.join(self.dir(name), "inference", "model")
         names = self.names()
