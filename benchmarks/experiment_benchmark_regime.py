@@ -64,8 +64,9 @@ def make_regime(name, sets, out):
                                  "use another --out")
         return root, record
     print(f"=== [data] regime {name} {sets or ''} -> {root}", flush=True)
+    # patients in parallel processes: the same files (1,300 patients took 4 min in one)
     make_synthetic_dataset(root, truth_path=os.path.join(out, "truth.json"), progress=False,
-                           **settings)
+                           workers=min(8, os.cpu_count() or 1), **settings)
     atomic_write_json(marker, record, indent=1)
     return root, record
 

@@ -327,6 +327,25 @@ def test_defaults_pinned_and_harder_options_keep_planned_lesions(tmp_path):
     assert all(not np.array_equal(x, y) for x, y in zip(a.values(), b.values()))
 
 
+def test_workers_write_the_same_dataset(tmp_path):
+    """workers=2 (patients in two processes; what make_regime uses for 1,300 patients) writes
+    the same files, pixels, CSVs and truth as one process, harder options included; the
+    dataset's 2nd ROI folder is swapped even when no draw swaps one (the parent renames its
+    files: only it knows the order), with the mask then at 1-1.dcm."""
+    kw = dict(patients=4, image_size=(96, 64), seed=3, progress=False, swap_fraction=1e-9,
+              **HARDER)
+    one = make_synthetic_dataset(str(tmp_path / "one"), **kw)
+    two = make_synthetic_dataset(str(tmp_path / "two"), workers=2, **kw)
+    assert _digest(one["root"]) == _digest(two["root"])
+    strip = lambda s: {k: v for k, v in s.items() if k != "root"}
+    assert strip(one) == strip(two)
+    lesions = [x for t in two["truth"] for x in t["lesions"]]
+    assert two["swapped_masks"] == 1 and [x["mask_swapped"] for x in lesions[:3]] == [
+        False, True, False]
+    mask = pydicom.dcmread(os.path.join(two["root"], lesions[1]["mask_path"])).pixel_array
+    assert lesions[1]["mask_path"].endswith("1-1.dcm") and set(np.unique(mask)) == {0, 255}
+
+
 @pytest.mark.parametrize("beta", [2.0, 3.0])
 def test_power_law_texture_spectrum_slope(beta):
     from synthetic_mammo.render import power_law_noise

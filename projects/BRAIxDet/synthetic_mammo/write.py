@@ -23,10 +23,14 @@ Each stage draws from its own generator seeded from ``seed`` (plan ``[seed, 1]``
 exception is the SOPInstanceUID of JPEG 2000 files, which pydicom's ``Dataset.compress`` replaces
 with a fresh random UID.
 """
+import builtins
+import contextlib
 import csv
 import datetime
+import functools
 import json
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from pydicom.dataset import Dataset, FileMetaDataset
@@ -155,14 +159,160 @@ def _encoding_quirks(rng, n_images, rows, cols, monochrome1_fraction, jpeg2000_f
     return mono1, j2k, bits
 
 
+def _write_patient(ctx, pl):
+    """Write one planned patient's files (its own generators: patients are independent, so
+    they may be written in any order or process); returns its truth entries, CSV rows and
+    exams.csv rows, in the serial order."""
+    seed, rows, cols, out_dir, tree = (ctx[k] for k in ("seed", "rows", "cols", "out_dir",
+                                                        "tree"))
+    size, anatomy, harder = ctx["size"], ctx["anatomy"], ctx["harder"]
+    benign_per_breast, swap_fraction = ctx["benign_per_breast"], ctx["swap_fraction"]
+    mono1, j2k, bits = ctx["mono1"], ctx["j2k"], ctx["bits"]
+    truth, rows_csv, exam_rows = [], [], []
+    prng = np.random.default_rng([seed, 3, pl["index"]])
+    arng = np.random.default_rng([seed, 4, pl["index"]]) if harder else None
+    p, split = pl["patient"], pl["split"]
+    stage = "Training" if split == "train" else "Test"
+    anon = f"anon_{pl['index'] + 1:05d}"
+    exam_id = f"{anon}_exam1"
+    day = datetime.timedelta(days=1)
+    birth = datetime.date(1940, 1, 1) + int(prng.integers(0, 13000)) * day
+    study_date = datetime.date(2005, 1, 1) + int(prng.integers(0, 1500)) * day
+    raw_name = f"SYNTH^PATIENT{pl['index'] + 1:05d}"
+    # A hospital-style MRN, distinct from the folder names (CBIS's public per-view IDs are
+    # already de-identified), so tests can check that no raw PatientID reaches any output.
+    raw_mrn = f"MRN{(seed * 7919 + int(p[2:]) * 104729) % 10**8:08d}"
+    density = int(prng.integers(1, 5))
+    for lat in ("L", "R"):
+        bp = pl["breasts"][lat]
+        geo = breast_geometry(prng, rows, cols)
+        masks = {v: breast_masks(geo, v, rows, cols) for v in VIEWS}
+        allowed = {v: lesion_room(*masks[v]) for v in VIEWS}
+        lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, **size)
+                   for k in range(bp["n"])]
+        lesions = place_lesions(prng, lesions, geo, allowed, rows, cols)
+        cancer, annotation = label_lesions(prng, lesions, bp["malignant"])
+        if benign_per_breast > 0:
+            extra = benign_findings(arng, benign_per_breast, cols, **size)
+            extra = place_lesions(arng, extra, geo, allowed, rows, cols, occupied=lesions)
+            label_benign(arng, extra, len(lesions) + 1)
+            lesions = lesions + extra
+        kind = lesions[0]["type"] if lesions else "mass"
+        prefix = f"{kind.capitalize()}-{stage}"
+        for view in VIEWS:
+            img_index = pl["index"] * 4 + (0 if lat == "L" else 2) + VIEWS.index(view)
+            img, roi_masks = render_view(prng, geo, masks[view], lesions, view=view,
+                                         lat=lat, density=density,
+                                         anatomy=dict(anatomy, rng=arng) if harder else None)
+            nipple_x = geo["a"] if lat == "L" else cols - 1 - geo["a"]
+            folder = f"{prefix}_{p}_{SIDES[lat]}_{view}"
+            study, series = _uid(seed, folder, "study"), _uid(seed, folder, "series")
+            rel_dir = f"{folder}/{study}/{series}"
+            info = {
+                "study_uid": study, "series_uid": series, "PatientName": raw_name,
+                "PatientID": raw_mrn, "PatientBirthDate": birth.strftime("%Y%m%d"),
+                "StudyDate": study_date.strftime("%Y%m%d"), "laterality": lat, "view": view,
+            }
+            b = int(bits[img_index])
+            photometric = "MONOCHROME1" if mono1[img_index] else "MONOCHROME2"
+            stored = _to_stored(img, b, mono1[img_index])
+            rel_path = f"CBIS-DDSM/{rel_dir}/1-1.dcm"
+            _write_dicom(os.path.join(out_dir, rel_path), stored, info=info,
+                         sop_uid=_uid(seed, folder, "sop"), photometric=photometric,
+                         bits_stored=b, jpeg2000=bool(j2k[img_index]))
+            les_truth = []
+            for les, m in zip(lesions, roi_masks):
+                lrng = arng if les.get("_extra") else prng  # keeps prng's draws as planned
+                rfolder = f"{folder}_{les['id']}"
+                rstudy, rseries = _uid(seed, rfolder, "study"), _uid(seed, rfolder, "series")
+                # ~swap_fraction of ROI folders swap mask/crop (and the dataset's 2nd one:
+                # make_synthetic_dataset, which knows the order of the patients)
+                swap = bool(lrng.uniform() < swap_fraction)
+                rinfo = dict(info, study_uid=rstudy, series_uid=rseries)
+                mask_name, crop_name = ("1-1.dcm", "1-2.dcm") if swap else ("1-2.dcm",
+                                                                            "1-1.dcm")
+                bbox = _bbox(m)
+                pad = max(2, int(0.03 * cols))
+                x0, y0 = max(0, bbox[0] - pad), max(0, bbox[1] - pad)
+                x1, y1 = min(cols, bbox[2] + pad), min(rows, bbox[3] + pad)
+                rdir = os.path.join(tree, rfolder, rstudy, rseries)
+                _write_dicom(os.path.join(rdir, mask_name), m.astype(np.uint8) * 255,
+                             info=rinfo, sop_uid=_uid(seed, rfolder, "mask"),
+                             description="ROI mask images")
+                _write_dicom(os.path.join(rdir, crop_name), stored[y0:y1, x0:x1],
+                             info=rinfo, sop_uid=_uid(seed, rfolder, "crop"),
+                             photometric=photometric, bits_stored=b,
+                             description="cropped images")
+                cx, cy = les["_xy"][view]
+                if lat == "R":
+                    cx = cols - 1 - cx
+                les_truth.append({
+                    "lesion_id": les["id"], "abnormality_id": les["id"],
+                    "type": les["type"], "pathology": les["pathology"],
+                    "malignant": les["pathology"] == "MALIGNANT", "bbox": bbox,
+                    "center": [round(cx, 2), round(cy, 2)],
+                    "depth": round(abs(nipple_x - cx), 2),
+                    "mask_path": f"CBIS-DDSM/{rfolder}/{rstudy}/{rseries}/{mask_name}",
+                    "crop_path": f"CBIS-DDSM/{rfolder}/{rstudy}/{rseries}/{crop_name}",
+                    "mask_swapped": swap, "contrast": round(float(les["contrast"]), 4),
+                })
+                csv_img = f"{rel_dir}/000000.dcm"
+                csv_crop = f"{rfolder}/{rstudy}/{rseries}/000000.dcm"
+                csv_mask = f"{rfolder}/{rstudy}/{rseries}/000001.dcm"
+                q = lrng.uniform()  # upstream whitespace quirks in path cells
+                if q < 0.08:
+                    csv_mask += "\n"
+                elif q < 0.14:
+                    csv_crop += "  "
+                elif q < 0.18:
+                    csv_img += " \n"
+                if les["type"] == "mass":
+                    extra = [les["shape"], les["margins"]]
+                else:
+                    extra = [les["calc_type"], les["distribution"]]
+                key = (les["type"], split)
+                rows_csv.append((key, [p, density, SIDES[lat], view, les["id"],
+                                       "mass" if les["type"] == "mass" else "calcification",
+                                       *extra, les["assessment"], les["pathology"],
+                                       les["subtlety"], csv_img, csv_crop, csv_mask]))
+            boxes = [t["bbox"] for t in les_truth if t["malignant"]]
+            exam_rows.append([anon, exam_id, rel_path, lat, view, int(cancer), annotation,
+                              json.dumps(boxes if annotation == "full" else []), split])
+            truth.append({
+                "path": rel_path, "patient": p, "anon_patient": anon, "exam_id": exam_id,
+                "laterality": lat, "view": view, "split": split, "cbis_folder": folder,
+                "rows": rows, "cols": cols, "photometric": photometric, "bits_stored": b,
+                "transfer_syntax": str(JPEG2000Lossless if j2k[img_index]
+                                       else ExplicitVRLittleEndian),
+                "cancer_label": int(cancer), "annotation": annotation,
+                "nipple_x": round(nipple_x, 2), "lesions": les_truth,
+                "study_uid": study, "series_uid": series,
+                "PatientName": raw_name, "PatientID": raw_mrn,
+                "PatientBirthDate": info["PatientBirthDate"],
+            })
+    return truth, rows_csv, exam_rows
+
+
+def _swap_roi_files(out_dir, lesion):
+    """Make one lesion's ROI folder a swapped one (mask 1-1.dcm, crop 1-2.dcm), as written."""
+    mask, crop = (os.path.join(out_dir, lesion[k]) for k in ("mask_path", "crop_path"))
+    tmp = mask + ".swap"
+    os.replace(mask, tmp)
+    os.replace(crop, mask)
+    os.replace(tmp, crop)
+    lesion["mask_path"], lesion["crop_path"] = lesion["crop_path"], lesion["mask_path"]
+    lesion["mask_swapped"] = True
+
+
 def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_rate=0.6,
                            malignant_fraction=0.5, test_fraction=0.25, seed=0,
                            monochrome1_fraction=0.15, jpeg2000_fraction=0.15, progress=True,
                            truth_path=None, swap_fraction=0.1, separation=1.0,
                            size_scale=1.0, size_spread=1.0, size_sigma=0.0, contrast_scale=1.0,
                            texture_beta=3.0, texture_strength=0.0, vessels=0.0,
-                           vessel_calc_fraction=0.0, benign_per_breast=0.0):
+                           vessel_calc_fraction=0.0, benign_per_breast=0.0, workers=1):
     """Generates the dataset under ``out_dir``; returns a summary dict (see module doc).
+    ``workers`` > 1 writes patients in that many processes; the files are the same.
 
     ``image_size`` = (rows, cols) of the original mammograms. The summary's ``truth`` lists every
     mammogram: path (relative to ``out_dir``), patient ids (CBIS ``P_xxxxx`` and exam-CSV
@@ -198,135 +348,27 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     anatomy = {"texture_beta": texture_beta, "texture_strength": texture_strength,
                "vessels": vessels, "vessel_calc_fraction": vessel_calc_fraction}
     harder = texture_strength > 0 or vessels > 0 or benign_per_breast > 0
+    ctx = dict(seed=seed, rows=rows, cols=cols, out_dir=out_dir, tree=tree, size=size,
+               anatomy=anatomy, harder=harder, benign_per_breast=benign_per_breast,
+               swap_fraction=swap_fraction, mono1=mono1, j2k=j2k, bits=bits)
     truth, rows_csv, exam_rows = [], {}, []
     swapped = 0
     abn_count = 0
-    for pl in tqdm(plan, desc="synthetic patients", disable=not progress):
-        prng = np.random.default_rng([seed, 3, pl["index"]])
-        arng = np.random.default_rng([seed, 4, pl["index"]]) if harder else None
-        p, split = pl["patient"], pl["split"]
-        stage = "Training" if split == "train" else "Test"
-        anon = f"anon_{pl['index'] + 1:05d}"
-        exam_id = f"{anon}_exam1"
-        day = datetime.timedelta(days=1)
-        birth = datetime.date(1940, 1, 1) + int(prng.integers(0, 13000)) * day
-        study_date = datetime.date(2005, 1, 1) + int(prng.integers(0, 1500)) * day
-        raw_name = f"SYNTH^PATIENT{pl['index'] + 1:05d}"
-        # A hospital-style MRN, distinct from the folder names (CBIS's public per-view IDs are
-        # already de-identified), so tests can check that no raw PatientID reaches any output.
-        raw_mrn = f"MRN{(seed * 7919 + int(p[2:]) * 104729) % 10**8:08d}"
-        density = int(prng.integers(1, 5))
-        for lat in ("L", "R"):
-            bp = pl["breasts"][lat]
-            geo = breast_geometry(prng, rows, cols)
-            masks = {v: breast_masks(geo, v, rows, cols) for v in VIEWS}
-            allowed = {v: lesion_room(*masks[v]) for v in VIEWS}
-            lesions = [sample_lesion(prng, bp["kind"], bp["malignant"][k], cols, **size)
-                       for k in range(bp["n"])]
-            lesions = place_lesions(prng, lesions, geo, allowed, rows, cols)
-            cancer, annotation = label_lesions(prng, lesions, bp["malignant"])
-            if benign_per_breast > 0:
-                extra = benign_findings(arng, benign_per_breast, cols, **size)
-                extra = place_lesions(arng, extra, geo, allowed, rows, cols, occupied=lesions)
-                label_benign(arng, extra, len(lesions) + 1)
-                lesions = lesions + extra
-            kind = lesions[0]["type"] if lesions else "mass"
-            prefix = f"{kind.capitalize()}-{stage}"
-            for view in VIEWS:
-                img_index = pl["index"] * 4 + (0 if lat == "L" else 2) + VIEWS.index(view)
-                img, roi_masks = render_view(prng, geo, masks[view], lesions, view=view,
-                                             lat=lat, density=density,
-                                             anatomy=dict(anatomy, rng=arng) if harder else None)
-                nipple_x = geo["a"] if lat == "L" else cols - 1 - geo["a"]
-                folder = f"{prefix}_{p}_{SIDES[lat]}_{view}"
-                study, series = _uid(seed, folder, "study"), _uid(seed, folder, "series")
-                rel_dir = f"{folder}/{study}/{series}"
-                info = {
-                    "study_uid": study, "series_uid": series, "PatientName": raw_name,
-                    "PatientID": raw_mrn, "PatientBirthDate": birth.strftime("%Y%m%d"),
-                    "StudyDate": study_date.strftime("%Y%m%d"), "laterality": lat, "view": view,
-                }
-                b = int(bits[img_index])
-                photometric = "MONOCHROME1" if mono1[img_index] else "MONOCHROME2"
-                stored = _to_stored(img, b, mono1[img_index])
-                rel_path = f"CBIS-DDSM/{rel_dir}/1-1.dcm"
-                _write_dicom(os.path.join(out_dir, rel_path), stored, info=info,
-                             sop_uid=_uid(seed, folder, "sop"), photometric=photometric,
-                             bits_stored=b, jpeg2000=bool(j2k[img_index]))
-                les_truth = []
-                for les, m in zip(lesions, roi_masks):
-                    abn_count += 1
-                    lrng = arng if les.get("_extra") else prng  # keeps prng's draws as planned
-                    rfolder = f"{folder}_{les['id']}"
-                    rstudy, rseries = _uid(seed, rfolder, "study"), _uid(seed, rfolder, "series")
-                    # ~swap_fraction of ROI folders swap mask/crop; the 2nd one always does,
-                    # so even tiny datasets exercise the quirk.
-                    swap = bool(lrng.uniform() < swap_fraction) or (swap_fraction > 0
-                                                                     and abn_count == 2)
-                    rinfo = dict(info, study_uid=rstudy, series_uid=rseries)
-                    mask_name, crop_name = ("1-1.dcm", "1-2.dcm") if swap else ("1-2.dcm",
-                                                                                "1-1.dcm")
-                    bbox = _bbox(m)
-                    pad = max(2, int(0.03 * cols))
-                    x0, y0 = max(0, bbox[0] - pad), max(0, bbox[1] - pad)
-                    x1, y1 = min(cols, bbox[2] + pad), min(rows, bbox[3] + pad)
-                    rdir = os.path.join(tree, rfolder, rstudy, rseries)
-                    _write_dicom(os.path.join(rdir, mask_name), m.astype(np.uint8) * 255,
-                                 info=rinfo, sop_uid=_uid(seed, rfolder, "mask"),
-                                 description="ROI mask images")
-                    _write_dicom(os.path.join(rdir, crop_name), stored[y0:y1, x0:x1],
-                                 info=rinfo, sop_uid=_uid(seed, rfolder, "crop"),
-                                 photometric=photometric, bits_stored=b,
-                                 description="cropped images")
-                    cx, cy = les["_xy"][view]
-                    if lat == "R":
-                        cx = cols - 1 - cx
-                    les_truth.append({
-                        "lesion_id": les["id"], "abnormality_id": les["id"],
-                        "type": les["type"], "pathology": les["pathology"],
-                        "malignant": les["pathology"] == "MALIGNANT", "bbox": bbox,
-                        "center": [round(cx, 2), round(cy, 2)],
-                        "depth": round(abs(nipple_x - cx), 2),
-                        "mask_path": f"CBIS-DDSM/{rfolder}/{rstudy}/{rseries}/{mask_name}",
-                        "crop_path": f"CBIS-DDSM/{rfolder}/{rstudy}/{rseries}/{crop_name}",
-                        "mask_swapped": swap, "contrast": round(float(les["contrast"]), 4),
-                    })
-                    swapped += swap
-                    csv_img = f"{rel_dir}/000000.dcm"
-                    csv_crop = f"{rfolder}/{rstudy}/{rseries}/000000.dcm"
-                    csv_mask = f"{rfolder}/{rstudy}/{rseries}/000001.dcm"
-                    q = lrng.uniform()  # upstream whitespace quirks in path cells
-                    if q < 0.08:
-                        csv_mask += "\n"
-                    elif q < 0.14:
-                        csv_crop += "  "
-                    elif q < 0.18:
-                        csv_img += " \n"
-                    if les["type"] == "mass":
-                        extra = [les["shape"], les["margins"]]
-                    else:
-                        extra = [les["calc_type"], les["distribution"]]
-                    key = (les["type"], split)
-                    rows_csv.setdefault(key, []).append(
-                        [p, density, SIDES[lat], view, les["id"],
-                         "mass" if les["type"] == "mass" else "calcification", *extra,
-                         les["assessment"], les["pathology"], les["subtlety"],
-                         csv_img, csv_crop, csv_mask])
-                boxes = [t["bbox"] for t in les_truth if t["malignant"]]
-                exam_rows.append([anon, exam_id, rel_path, lat, view, int(cancer), annotation,
-                                  json.dumps(boxes if annotation == "full" else []), split])
-                truth.append({
-                    "path": rel_path, "patient": p, "anon_patient": anon, "exam_id": exam_id,
-                    "laterality": lat, "view": view, "split": split, "cbis_folder": folder,
-                    "rows": rows, "cols": cols, "photometric": photometric, "bits_stored": b,
-                    "transfer_syntax": str(JPEG2000Lossless if j2k[img_index]
-                                           else ExplicitVRLittleEndian),
-                    "cancer_label": int(cancer), "annotation": annotation,
-                    "nipple_x": round(nipple_x, 2), "lesions": les_truth,
-                    "study_uid": study, "series_uid": series,
-                    "PatientName": raw_name, "PatientID": raw_mrn,
-                    "PatientBirthDate": info["PatientBirthDate"],
-                })
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        parts = (pool or builtins).map(functools.partial(_write_patient, ctx), plan)
+        for p_truth, p_rows, p_exams in tqdm(parts, total=len(plan), desc="synthetic patients",
+                                             disable=not progress):
+            for lesion in (les for t in p_truth for les in t["lesions"]):
+                abn_count += 1
+                # the dataset's 2nd ROI folder is always swapped, so that even tiny datasets
+                # exercise the quirk
+                if swap_fraction > 0 and abn_count == 2 and not lesion["mask_swapped"]:
+                    _swap_roi_files(out_dir, lesion)
+                swapped += lesion["mask_swapped"]
+            truth += p_truth
+            exam_rows += p_exams
+            for key, row in p_rows:
+                rows_csv.setdefault(key, []).append(row)
     _write_csvs(out_dir, rows_csv, exam_rows)
     summary = _summary(out_dir, seed, rows, cols, truth, rows_csv, abn_count, swapped)
     # the settings, so that a truth file says which data it describes
