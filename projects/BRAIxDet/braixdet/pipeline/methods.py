@@ -56,6 +56,13 @@ METHODS = {
                                     opts=("SSL.CAM_BOX_SOURCE", "oracle", "SSL.CAM_JSON", "")),
     "braixdet_random_boxes": Method("BRAIxDet, random boxes", "BRAIxDet/braixdet.yaml", "mvccl",
                                     opts=("SSL.CAM_BOX_SOURCE", "random", "SSL.CAM_JSON", "")),
+    # where the multi-view cost comes from (issue 27, RESULTS §15): each detector started from
+    # the other stage-1 classifier (unmatched modules dropped or trained from scratch)
+    "faster_rcnn_mv_sv_init": Method("Faster R-CNN + MV, single-view classifier init",
+                                     "baselines/faster_rcnn_multiview.yaml",
+                                     "classifier_single_view"),
+    "faster_rcnn_mvccl_init": Method("Faster R-CNN, BRAIxMVCCL init", "baselines/faster_rcnn.yaml",
+                                     "mvccl"),
     # competitors of the paper's Tables 2-4 (single view, issue 22)
     "unbiased_teacher": Method("Unbiased Teacher", "baselines/unbiased_teacher.yaml",
                                "classifier_single_view"),
