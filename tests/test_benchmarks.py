@@ -173,3 +173,39 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     assert {p: p.read_bytes() for p in sorted(run.glob("**/stage_done.json"))} == markers
     serial = json.loads((tmp_path / "table6.json").read_text())["rows"]
     assert json.dumps(serial) == json.dumps(parallel)  # as text: one seed's std is NaN
+
+
+def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):
+    """experiment_mv_cost.py (RESULTS §15): effects paired by seed from the 2×2 grid's rows,
+    and the verdict of the criteria written before the runs, at their edges."""
+    from braixdet.pipeline.methods import METHODS
+    from braixdet.pipeline.results import paired_effect
+
+    script = load_tool("experiment_mv_cost", folder="benchmarks")
+    grid = {"faster_rcnn": [80, 70, 75], "faster_rcnn_mvccl_init": [79, 71, 75],
+            "faster_rcnn_mv_sv_init": [74, 64, 70], "faster_rcnn_mv": [73, 65, 69]}
+    per_seed = [{"results": {METHODS[k].label: {"bbox": {"AP20": v[i]}} for k, v in grid.items()}}
+                for i in range(3)]
+    effects = script.effects_of(per_seed)
+    want = paired_effect(grid["faster_rcnn_mv"], grid["faster_rcnn"])
+    assert {k: effects["MV cost, as in Table 6"][k] for k in want} == want
+    assert effects["init, multi-view detector"]["mean"] == pytest.approx(-1 / 3)
+    assert script.verdict(effects) == "architecture (the multi-view detector)"
+
+    def e(lo, hi):
+        return {"ci_low": lo, "ci_high": hi}
+
+    arch, init = e(-9, -1), e(-2, 2)
+    cases = [
+        ((e(-9, -0.01), arch, arch, init, init), "architecture (the multi-view detector)"),
+        ((e(-9, -0.01), init, init, arch, arch), "initialisation (the BRAIxMVCCL export)"),
+        ((e(-9, 0.0), arch, arch, init, init), "no deficit whose 95% interval excludes 0: "
+                                               "not attributed"),
+        ((e(-9, -1), arch, e(-3, 1), init, init), "not attributed at this precision"),
+        ((e(-9, -1), arch, arch, init, e(-3, -0.5)), "not attributed at this precision"),
+    ]
+    for values, answer in cases:
+        assert script.verdict(dict(zip(script.EFFECTS, values))) == answer, values
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--help"])
+    assert exit_.value.code == 0 and "--seeds" in capsys.readouterr().out

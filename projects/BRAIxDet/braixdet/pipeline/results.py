@@ -152,7 +152,7 @@ def paired_effect(x, y, alternative="two-sided", confidence=0.95):
     return out
 
 
-def _paired_values(per_seed, a, b, metric="AP20"):
+def paired_values(per_seed, a, b, metric="AP20"):
     """(values of row a, of row b) over the seeds that have both."""
     pairs = [(s["results"][a], s["results"][b]) for s in per_seed
              if a in s["results"] and b in s["results"]]
@@ -164,16 +164,16 @@ def paired_tables(per_seed, metric="AP20"):
     """Markdown of (1) each Table 6 component's effect beside the paper's, (2) BRAIxDet against
     every other row (one-tailed: BRAIxDet greater), both paired by seed; and their dict."""
     def cells(e):
-        return (f"{e['n']} | {_fmt(e['mean'], '+.1f')} [{_fmt(e['ci_low'], '+.1f')}, "
-                f"{_fmt(e['ci_high'], '+.1f')}] | {_fmt(e['p_t'], '.4f')} | "
-                f"{_fmt(e['p_wilcoxon'], '.4f')}")
+        return (f"{e['n']} | {fmt_cell(e['mean'], '+.1f')} [{fmt_cell(e['ci_low'], '+.1f')}, "
+                f"{fmt_cell(e['ci_high'], '+.1f')}] | {fmt_cell(e['p_t'], '.4f')} | "
+                f"{fmt_cell(e['p_wilcoxon'], '.4f')}")
 
     lines = [f"| component | with − without | seeds | effect on {metric} (%) [95% CI] | paired t "
              "p (two-sided) | Wilcoxon p | paper Table 6 | same sign |",
              "|---|---|---|---|---|---|---|---|"]
     out = {"components": {}, "ours_vs": {}}
     for name, with_row, without_row in COMPONENTS:
-        e = paired_effect(*_paired_values(per_seed, with_row, without_row, metric))
+        e = paired_effect(*paired_values(per_seed, with_row, without_row, metric))
         paper = PAPER_TABLE6_AP20[with_row] - PAPER_TABLE6_AP20[without_row]
         same = "n/a" if math.isnan(e["mean"]) else ("yes" if e["mean"] * paper > 0 else "no")
         out["components"][name] = dict(e, paper=paper)
@@ -185,13 +185,14 @@ def paired_tables(per_seed, metric="AP20"):
     for row in rows:
         if row in (OURS, CEILING):
             continue
-        e = paired_effect(*_paired_values(per_seed, OURS, row, metric), alternative="greater")
+        e = paired_effect(*paired_values(per_seed, OURS, row, metric), alternative="greater")
         out["ours_vs"][row] = e
         lines.append(f"| {OURS} − {row} | {cells(e)} |")
     return "\n".join(lines), out
 
 
-def _fmt(x, spec=".2f"):
+def fmt_cell(x, spec=".2f"):
+    """``x`` formatted with ``spec``; "—" for a missing or NaN value."""
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
@@ -203,7 +204,8 @@ def to_markdown(rows, metrics=METRICS, baseline=None):
     for r in rows:
         cells = [r["method"], str(r["n"])]
         for m in metrics:
-            cells += [f"{_fmt(r[f'{m}_mean'])} ± {_fmt(r[f'{m}_std'])}", _fmt(r[f"{m}_p"], ".4f")]
+            cells += [f"{fmt_cell(r[f'{m}_mean'])} ± {fmt_cell(r[f'{m}_std'])}",
+                      fmt_cell(r[f"{m}_p"], ".4f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
