@@ -15,6 +15,8 @@ import argparse
 import os
 import time
 
+import numpy as np
+
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set, run_args
 
 from braixdet.pipeline.methods import METHODS
@@ -33,6 +35,9 @@ EFFECTS = {
 }
 
 
+BOTH_INITS = "init, both detectors (mean)"
+
+
 def effects_of(per_seed, metric="AP20"):
     """{effect name: results.paired_effect of its two rows over the seeds that have both}."""
     out = {}
@@ -40,6 +45,15 @@ def effects_of(per_seed, metric="AP20"):
         out[name] = paired_effect(*paired_values(per_seed, METHODS[a].label,
                                                   METHODS[b].label, metric))
         out[name]["rows"] = [a, b]
+    # the two init effects averaged per seed (RESULTS §15's amendment, H2)
+    rows = [paired_values(per_seed, METHODS[a].label, METHODS[b].label, metric)
+            for a, b in (EFFECTS["init, single-view detector"],
+                         EFFECTS["init, multi-view detector"])]
+    if len(rows[0][0]) == len(rows[1][0]):
+        out[BOTH_INITS] = paired_effect(np.mean([rows[0][0], rows[1][0]], axis=0),
+                                        np.mean([rows[0][1], rows[1][1]], axis=0))
+        out[BOTH_INITS]["rows"] = ["faster_rcnn_mvccl_init, faster_rcnn_mv",
+                                   "faster_rcnn, faster_rcnn_mv_sv_init"]
     return out
 
 
@@ -77,7 +91,7 @@ def report(per_seed, root, seeds):
     lines += ["", "| effect | with − without | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
               "|---|---|---|---|---|---|"]
     for name, e in effects.items():
-        a, b = (METHODS[k].label for k in e["rows"])
+        a, b = (" and ".join(METHODS[k].label for k in keys.split(", ")) for keys in e["rows"])
         lines.append(f"| {name} | {a} − {b} | {e['n']} | {fmt_cell(e['mean'], '+.1f')} "
                      f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
                      f"{fmt_cell(e['p_t'], '.4f')} | {fmt_cell(e['p_wilcoxon'], '.4f')} |")
