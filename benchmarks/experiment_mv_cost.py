@@ -16,7 +16,6 @@ import os
 import time
 
 import numpy as np
-
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set, run_args
 
 from braixdet.pipeline.methods import METHODS

@@ -190,6 +190,9 @@ def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_to
     want = paired_effect(grid["faster_rcnn_mv"], grid["faster_rcnn"])
     assert {k: effects["MV cost, as in Table 6"][k] for k in want} == want
     assert effects["init, multi-view detector"]["mean"] == pytest.approx(-1 / 3)
+    both = paired_effect([76, 68, 72], [77, 67, 72.5])  # per seed, the two inits' means
+    assert effects[script.BOTH_INITS]["mean"] == pytest.approx(both["mean"]) == -1 / 6
+    assert effects[script.BOTH_INITS]["ci_high"] == pytest.approx(both["ci_high"])
     assert script.verdict(effects) == "architecture (the multi-view detector)"
 
     def e(lo, hi):
