@@ -150,9 +150,10 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     import json
 
     script = load_tool("experiment_table6", folder="benchmarks")
-    argv = ["--regime", "benchmark_a", "--set", "patients=40", "--out", str(tmp_path),
-            "--seeds", "0", "--size", "64", "32", "--stage1-epochs", "1.0", "--det-epochs", "0.5",
-            "--ceiling-epochs", "1.0", "--methods", "faster_rcnn"]
+    argv = ["--regime", "benchmark_a", "--set", "patients=24", "image_size=(256,128)", "--out",
+            str(tmp_path), "--seeds", "0", "--size", "64", "32", "--stage1-epochs", "1.0",
+            "--det-epochs", "0.5", "--ceiling-epochs", "0.5", "--methods", "faster_rcnn",
+            "--opts", "DATASETS.BRAIXDET.ALLOW_LESION_FREE_VAL", "True"]
     script.main([*argv, "--parallel"])
     assert "local job" in capsys.readouterr().out
     run = tmp_path / "r1_8" / "s0"
