@@ -23,7 +23,6 @@ Each stage draws from its own generator seeded from ``seed`` (plan ``[seed, 1]``
 exception is the SOPInstanceUID of JPEG 2000 files, which pydicom's ``Dataset.compress`` replaces
 with a fresh random UID.
 """
-import builtins
 import contextlib
 import csv
 import datetime
@@ -159,15 +158,11 @@ def _encoding_quirks(rng, n_images, rows, cols, monochrome1_fraction, jpeg2000_f
     return mono1, j2k, bits
 
 
-def _write_patient(ctx, pl):
+def _write_patient(pl, *, seed, rows, cols, out_dir, tree, size, anatomy, harder,
+                   benign_per_breast, swap_fraction, mono1, j2k, bits):
     """Write one planned patient's files (its own generators: patients are independent, so
     they may be written in any order or process); returns its truth entries, CSV rows and
     exams.csv rows, in the serial order."""
-    seed, rows, cols, out_dir, tree = (ctx[k] for k in ("seed", "rows", "cols", "out_dir",
-                                                        "tree"))
-    size, anatomy, harder = ctx["size"], ctx["anatomy"], ctx["harder"]
-    benign_per_breast, swap_fraction = ctx["benign_per_breast"], ctx["swap_fraction"]
-    mono1, j2k, bits = ctx["mono1"], ctx["j2k"], ctx["bits"]
     truth, rows_csv, exam_rows = [], [], []
     prng = np.random.default_rng([seed, 3, pl["index"]])
     arng = np.random.default_rng([seed, 4, pl["index"]]) if harder else None
@@ -348,14 +343,15 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     anatomy = {"texture_beta": texture_beta, "texture_strength": texture_strength,
                "vessels": vessels, "vessel_calc_fraction": vessel_calc_fraction}
     harder = texture_strength > 0 or vessels > 0 or benign_per_breast > 0
-    ctx = dict(seed=seed, rows=rows, cols=cols, out_dir=out_dir, tree=tree, size=size,
-               anatomy=anatomy, harder=harder, benign_per_breast=benign_per_breast,
-               swap_fraction=swap_fraction, mono1=mono1, j2k=j2k, bits=bits)
+    write_patient = functools.partial(
+        _write_patient, seed=seed, rows=rows, cols=cols, out_dir=out_dir, tree=tree, size=size,
+        anatomy=anatomy, harder=harder, benign_per_breast=benign_per_breast,
+        swap_fraction=swap_fraction, mono1=mono1, j2k=j2k, bits=bits)
     truth, rows_csv, exam_rows = [], {}, []
     swapped = 0
     abn_count = 0
     with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        parts = (pool or builtins).map(functools.partial(_write_patient, ctx), plan)
+        parts = (pool.map if pool else map)(write_patient, plan)
         for p_truth, p_rows, p_exams in tqdm(parts, total=len(plan), desc="synthetic patients",
                                              disable=not progress):
             for lesion in (les for t in p_truth for les in t["lesions"]):
