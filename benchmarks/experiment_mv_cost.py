@@ -19,41 +19,47 @@ import numpy as np
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set, run_args
 
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import fmt_cell, paired_effect, paired_values
+from braixdet.pipeline.results import fmt_cell, paired_effect
 from braixdet.pipeline.seeds import run_seeds
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
-ROWS = ["faster_rcnn", "faster_rcnn_mvccl_init", "faster_rcnn_mv_sv_init", "faster_rcnn_mv"]
-# name -> (with, without): each effect is AP(with) - AP(without), paired by seed
-EFFECTS = {
-    "MV cost, as in Table 6": ("faster_rcnn_mv", "faster_rcnn"),
-    "detector, single-view classifier init": ("faster_rcnn_mv_sv_init", "faster_rcnn"),
-    "detector, BRAIxMVCCL init": ("faster_rcnn_mv", "faster_rcnn_mvccl_init"),
-    "init, single-view detector": ("faster_rcnn_mvccl_init", "faster_rcnn"),
-    "init, multi-view detector": ("faster_rcnn_mv", "faster_rcnn_mv_sv_init"),
-}
-
-
 BOTH_INITS = "init, both detectors (mean)"
+ROWS = ["faster_rcnn", "faster_rcnn_mvccl_init", "faster_rcnn_mv_sv_init", "faster_rcnn_mv"]
+# name -> (with, without), each a tuple of rows: the effect is mean AP(with) - mean AP(without)
+# per seed, paired by seed
+EFFECTS = {
+    "MV cost, as in Table 6": (("faster_rcnn_mv",), ("faster_rcnn",)),
+    "detector, single-view classifier init": (("faster_rcnn_mv_sv_init",), ("faster_rcnn",)),
+    "detector, BRAIxMVCCL init": (("faster_rcnn_mv",), ("faster_rcnn_mvccl_init",)),
+    "init, single-view detector": (("faster_rcnn_mvccl_init",), ("faster_rcnn",)),
+    "init, multi-view detector": (("faster_rcnn_mv",), ("faster_rcnn_mv_sv_init",)),
+    # the two init effects averaged per seed (RESULTS §15's amendment, H2)
+    BOTH_INITS: (("faster_rcnn_mvccl_init", "faster_rcnn_mv"),
+                 ("faster_rcnn", "faster_rcnn_mv_sv_init")),
+}
+# the effects RESULTS §15's verdict reads
+COST = "MV cost, as in Table 6"
+DETECTOR = ("detector, single-view classifier init", "detector, BRAIxMVCCL init")
+INIT = ("init, single-view detector", "init, multi-view detector")
+
+
+def grid_values(per_seed, metric="AP20"):
+    """{row key: [its metric per seed]} over the seeds that have every row of the grid."""
+    complete = [s["results"] for s in per_seed
+                if all(METHODS[k].label in s["results"] for k in ROWS)]
+    return {k: np.array([float(r[METHODS[k].label].get("bbox", r[METHODS[k].label])[metric])
+                         for r in complete]) for k in ROWS}
 
 
 def effects_of(per_seed, metric="AP20"):
-    """{effect name: results.paired_effect of its two rows over the seeds that have both}."""
-    out = {}
-    for name, (a, b) in EFFECTS.items():
-        out[name] = paired_effect(*paired_values(per_seed, METHODS[a].label,
-                                                  METHODS[b].label, metric))
-        out[name]["rows"] = [a, b]
-    # the two init effects averaged per seed (RESULTS §15's amendment, H2)
-    rows = [paired_values(per_seed, METHODS[a].label, METHODS[b].label, metric)
-            for a, b in (EFFECTS["init, single-view detector"],
-                         EFFECTS["init, multi-view detector"])]
-    if len(rows[0][0]) == len(rows[1][0]):
-        out[BOTH_INITS] = paired_effect(np.mean([rows[0][0], rows[1][0]], axis=0),
-                                        np.mean([rows[0][1], rows[1][1]], axis=0))
-        out[BOTH_INITS]["rows"] = ["faster_rcnn_mvccl_init, faster_rcnn_mv",
-                                   "faster_rcnn, faster_rcnn_mv_sv_init"]
-    return out
+    """{effect name: results.paired_effect of its two sides, paired by seed}."""
+    values = grid_values(per_seed, metric)
+
+    def side(keys):
+        return np.mean([values[k] for k in keys], axis=0)
+
+    return {name: dict(paired_effect(side(a), side(b)), rows=[list(a), list(b)])
+            for name, (a, b) in EFFECTS.items()}
 
 
 def verdict(effects):
@@ -66,10 +72,9 @@ def verdict(effects):
     def spans_zero(e):
         return e["ci_low"] <= 0 <= e["ci_high"]
 
-    if not below(effects["MV cost, as in Table 6"]):
+    if not below(effects[COST]):
         return "no deficit whose 95% interval excludes 0: not attributed"
-    detector = [effects[k] for k in EFFECTS if k.startswith("detector")]
-    init = [effects[k] for k in EFFECTS if k.startswith("init")]
+    detector, init = [effects[k] for k in DETECTOR], [effects[k] for k in INIT]
     if all(map(below, detector)) and all(map(spans_zero, init)):
         return "architecture (the multi-view detector)"
     if all(map(below, init)) and all(map(spans_zero, detector)):
@@ -90,7 +95,7 @@ def report(per_seed, root, seeds):
     lines += ["", "| effect | with − without | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
               "|---|---|---|---|---|---|"]
     for name, e in effects.items():
-        a, b = (" and ".join(METHODS[k].label for k in keys.split(", ")) for keys in e["rows"])
+        a, b = (" and ".join(METHODS[k].label for k in keys) for keys in e["rows"])
         lines.append(f"| {name} | {a} − {b} | {e['n']} | {fmt_cell(e['mean'], '+.1f')} "
                      f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
                      f"{fmt_cell(e['p_t'], '.4f')} | {fmt_cell(e['p_wilcoxon'], '.4f')} |")
