@@ -43,14 +43,15 @@ def mean_quality(curves, first, last):
     return out
 
 
-def quality_of(run_dir, key, suffix=""):
+def quality_of(run_dir, key, suffix="", data="set D"):
     """Pseudo-box quality of one row's run: its curves, plotted, and their means in the fusion
-    phase (SSL.CAM_FUSION_EPOCHS, as the trainer logged it) and after it."""
+    phase (SSL.CAM_FUSION_EPOCHS, as the trainer logged it) and after it. ``data`` names the
+    data in the plot's title."""
     stage = os.path.join(run_dir, key)
     curves = read_quality_curves(os.path.join(stage, "metrics.json"))
     plot_quality_curves(curves, os.path.join(os.path.dirname(run_dir),
                                              f"pseudo_quality_{key}{suffix}.png"),
-                        title=f"{METHODS[key].label}: D_w pseudo-boxes vs truth (set D)")
+                        title=f"{METHODS[key].label}: D_w pseudo-boxes vs truth ({data})")
     last = max((it for m in curves.values() for pts in m.values() for it, _ in pts), default=0)
     fusion_end = _fusion_end(stage)
     return {"fusion_phase": mean_quality(curves, 0, fusion_end),

@@ -43,23 +43,24 @@ DETECTOR = ("detector, single-view classifier init", "detector, BRAIxMVCCL init"
 INIT = ("init, single-view detector", "init, multi-view detector")
 
 
-def grid_values(per_seed, metric="AP20"):
-    """{row key: [its metric per seed]} over the seeds that have every row of the grid."""
+def grid_values(per_seed, rows=ROWS, metric="AP20"):
+    """{row key: [its metric per seed]} over the seeds that have every one of ``rows``."""
     complete = [s["results"] for s in per_seed
-                if all(METHODS[k].label in s["results"] for k in ROWS)]
+                if all(METHODS[k].label in s["results"] for k in rows)]
     return {k: np.array([float(r[METHODS[k].label].get("bbox", r[METHODS[k].label])[metric])
-                         for r in complete]) for k in ROWS}
+                         for r in complete]) for k in rows}
 
 
-def effects_of(per_seed, metric="AP20"):
-    """{effect name: results.paired_effect of its two sides, paired by seed}."""
-    values = grid_values(per_seed, metric)
+def effects_of(per_seed, effects=EFFECTS, rows=ROWS, metric="AP20"):
+    """{effect name: results.paired_effect of its two sides, paired by seed}; ``effects``:
+    name -> (with, without), each a tuple of row keys averaged per seed."""
+    values = grid_values(per_seed, rows, metric)
 
     def side(keys):
         return np.mean([values[k] for k in keys], axis=0)
 
     return {name: dict(paired_effect(side(a), side(b)), rows=[list(a), list(b)])
-            for name, (a, b) in EFFECTS.items()}
+            for name, (a, b) in effects.items()}
 
 
 def verdict(effects):
@@ -82,25 +83,36 @@ def verdict(effects):
     return "not attributed at this precision"
 
 
-def report(per_seed, root, seeds):
-    effects = effects_of(per_seed)
-    lines = [f"Development set {root}; seeds {seeds}; AP@IoU0.2 (%) on the test split.", "",
-             "| row | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+def row_table(per_seed, seeds, rows=ROWS):
+    """Markdown lines: one row per method, its AP@0.2 per seed."""
+    lines = ["| row | " + " | ".join(f"seed {s}" for s in seeds) + " |",
              "|---|" + "---|" * len(seeds)]
-    for key in ROWS:
+    for key in rows:
         label = METHODS[key].label
         lines.append(f"| {label} | " + " | ".join(
             fmt_cell(float(s["results"][label].get("bbox", s["results"][label])["AP20"]), ".1f")
             if label in s["results"] else "—" for s in per_seed) + " |")
-    lines += ["", "| effect | with − without | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
-              "|---|---|---|---|---|---|"]
+    return lines
+
+
+def effects_table(effects):
+    """Markdown lines: each effect's two sides, seeds, mean [95% CI] and p-values."""
+    lines = ["| effect | with − without | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
+             "|---|---|---|---|---|---|"]
     for name, e in effects.items():
         a, b = (" and ".join(METHODS[k].label for k in keys) for keys in e["rows"])
         lines.append(f"| {name} | {a} − {b} | {e['n']} | {fmt_cell(e['mean'], '+.1f')} "
                      f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
                      f"{fmt_cell(e['p_t'], '.4f')} | {fmt_cell(e['p_wilcoxon'], '.4f')} |")
+    return lines
+
+
+def report(per_seed, root, seeds):
+    effects = effects_of(per_seed)
     answer = verdict(effects)
-    lines += ["", f"Verdict (RESULTS §15's criteria): **{answer}**."]
+    lines = [f"Development set {root}; seeds {seeds}; AP@IoU0.2 (%) on the test split.", "",
+             *row_table(per_seed, seeds), "", *effects_table(effects), "",
+             f"Verdict (RESULTS §15's criteria): **{answer}**."]
     return "\n".join(lines), effects, answer
 
 

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Can Algorithm 2's fusion put BRAIxDet ahead of Mean Teacher, and if not, where is the loss?
+
+  python benchmarks/experiment_fusion_bounds.py --out out/fusion_bounds --seeds 0 1 2 3 4
+
+Issue 27 items 2 and 3, docs/RESULTS.md §16 (criteria written before the runs). Development
+set F: the demo's generator call with benchmark_a's anatomy and look-alikes (RESULTS §1.8's
+candidate H1: room between the 1/8 floor and the ceiling, a stage 1 that learns), drawn with
+generator seed 11 (the demo's data: 0; §1.8's draw: 1; set E: 7). Per seed one pipeline run of
+ROWS sharing the seed's split and stage 1, with SSL.PSEUDO_QUALITY on: Mean Teacher, BRAIxDet,
+and BRAIxDet with Algorithm 2 fed by random boxes inside the breast, by D_w's true cancer boxes
+in the paper's window, and by the true boxes at every iteration. Writes <out>/fusion_bounds.md
+and .json (rows per seed, effects paired by seed, the verdict, the pseudo-box quality per source)
+and <out>/pseudo_quality_<row>_s<seed>.png. Re-running continues (done-markers); seeds can run
+as separate processes and a last run over all of them writes the table. Not part of
+`make bench` (about 30 CPU minutes a seed).
+"""
+import argparse
+import os
+import time
+
+from experiment_box_sources import quality_of
+from experiment_demo_data import CANDIDATES
+from experiment_mv_cost import effects_of, effects_table, row_table
+
+from braixdet.pipeline.demo import DEMO, make_data, pipeline_args
+from braixdet.pipeline.seeds import run_seeds
+from braixdet.utils.io import atomic_write_json, atomic_write_text
+
+DATA_SEED = 11
+SPEC = dict(DEMO["full"], generator=CANDIDATES["H1"])
+ROWS = ["mean_teacher", "braixdet", "braixdet_random_boxes", "braixdet_oracle_boxes",
+        "braixdet_oracle_boxes_whole_schedule"]
+FUSION = "CAM fusion (BRAIxDet − Mean Teacher)"
+ORACLE = "oracle boxes, paper's window − Mean Teacher"
+ORACLE_WHOLE = "oracle boxes, whole schedule − Mean Teacher"
+EFFECTS = {
+    FUSION: (("braixdet",), ("mean_teacher",)),
+    ORACLE: (("braixdet_oracle_boxes",), ("mean_teacher",)),
+    ORACLE_WHOLE: (("braixdet_oracle_boxes_whole_schedule",), ("mean_teacher",)),
+    "GradCAM − random boxes": (("braixdet",), ("braixdet_random_boxes",)),
+    "oracle − GradCAM boxes, paper's window": (("braixdet_oracle_boxes",), ("braixdet",)),
+}
+
+
+def verdict(effects):
+    """RESULTS §16's criteria, in order: BRAIxDet ahead when its effect over Mean Teacher has a
+    95% interval above 0; else the loss is in Algorithm 1's boxes when true boxes in the paper's
+    window are ahead; else in Algorithm 2's window when true boxes at every iteration are;
+    else the fusion has nothing measurable to add on this data. Under two seeds: undecided."""
+    def above(name):
+        return effects[name]["ci_low"] > 0
+
+    if effects[FUSION]["n"] < 2:
+        return "undecided: fewer than two seeds with every row"
+    if above(FUSION):
+        return "BRAIxDet ahead of Mean Teacher"
+    if above(ORACLE):
+        return "the loss is in Algorithm 1's boxes (true boxes in the paper's window are ahead)"
+    if above(ORACLE_WHOLE):
+        return ("the loss is in Algorithm 2's window (true boxes are ahead only when fused at "
+                "every iteration)")
+    return ("the fusion adds nothing measurable here: even true boxes at every iteration are "
+            "not ahead of Mean Teacher")
+
+
+def pseudo_quality(out, seeds):
+    """{row: {seed: quality_of(...)}} for the rows that fuse, over the seeds that ran them."""
+    quality = {}
+    for key in ROWS[1:]:
+        for seed in seeds:
+            run_dir = os.path.join(out, f"s{seed}")
+            if os.path.exists(os.path.join(run_dir, key, "metrics.json")):
+                quality.setdefault(key, {})[seed] = quality_of(
+                    run_dir, key, f"_s{seed}", data=f"set F, seed {seed}")
+    return quality
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per stage")
+    a = ap.parse_args(argv)
+    out, t0 = os.path.abspath(a.out), time.time()
+    root = os.path.join(out, "data")
+    make_data(root, SPEC, seed=DATA_SEED)
+    args = pipeline_args(root, out, SPEC, out, 0, ROWS)
+    args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]
+    args.det_opts = [*args.det_opts, "SSL.PSEUDO_QUALITY", "True"]
+    per_seed = run_seeds(args, a.seeds, out)
+    effects = effects_of(per_seed, EFFECTS, ROWS)
+    answer = verdict(effects)
+    text = "\n".join([
+        f"Development set F (generator seed {DATA_SEED}); seeds {a.seeds}; AP@IoU0.2 (%) on "
+        "the test split.", "", *row_table(per_seed, a.seeds, ROWS), "",
+        *effects_table(effects), "", f"Verdict (RESULTS §16's criteria): **{answer}**.", "",
+        f"{(time.time() - t0) / 60:.1f} min."]) + "\n"
+    atomic_write_text(os.path.join(out, "fusion_bounds.md"), text)
+    atomic_write_json(os.path.join(out, "fusion_bounds.json"), {
+        "data_seed": DATA_SEED, "spec": SPEC, "seeds": a.seeds, "effects": effects,
+        "verdict": answer, "per_seed": [s["results"] for s in per_seed],
+        "cam_quality": [s.get("cam_quality") for s in per_seed],
+        "classifiers": [s.get("classifiers") for s in per_seed],
+        "pseudo_quality": pseudo_quality(out, a.seeds)}, indent=1)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
