@@ -105,6 +105,51 @@ def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
     assert e.value.code == 0 and "--stage1" in capsys.readouterr().out
 
 
+def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool):
+    """experiment_fusion_bounds.py (RESULTS §16; CPU hours, not run here): the five rows' effects
+    paired by seed, the verdict of the criteria written before the runs in their order and at
+    their edges, main() parses its arguments."""
+    from braixdet.pipeline.methods import METHODS
+    from braixdet.pipeline.results import paired_effect
+
+    script = load_tool("experiment_fusion_bounds", folder="benchmarks")
+    grid = {"mean_teacher": [70, 60, 65], "braixdet": [71, 62, 65],
+            "braixdet_random_boxes": [69, 61, 66], "braixdet_oracle_boxes": [72, 59, 66],
+            "braixdet_oracle_boxes_whole_schedule": [80, 75, 77]}
+    per_seed = [{"results": {METHODS[k].label: {"bbox": {"AP20": v[i]}} for k, v in grid.items()}}
+                for i in range(3)]
+    effects = script.effects_of(per_seed, script.EFFECTS, script.ROWS)
+    want = paired_effect(grid["braixdet_oracle_boxes_whole_schedule"], grid["mean_teacher"])
+    assert {k: effects[script.ORACLE_WHOLE][k] for k in want} == want
+    assert effects["GradCAM − random boxes"]["mean"] == pytest.approx(2 / 3)
+    assert script.verdict(effects).startswith("the loss is in Algorithm 2's window")
+
+    def with_lows(fusion, oracle, whole, n=5):
+        return {script.FUSION: {"ci_low": fusion, "n": n}, script.ORACLE: {"ci_low": oracle},
+                script.ORACLE_WHOLE: {"ci_low": whole}}
+
+    cases = [((0.01, 5, 5), "BRAIxDet ahead"), ((0.0, 0.01, 5), "the loss is in Algorithm 1"),
+             ((-1, 0.0, 0.01), "the loss is in Algorithm 2's window"),
+             ((-1, -1, 0.0), "the fusion adds nothing measurable")]
+    for lows, answer in cases:
+        assert script.verdict(with_lows(*lows)).startswith(answer), lows
+    assert script.verdict(with_lows(5, 5, 5, n=1)).startswith("undecided")
+    # the new row fuses true boxes past any schedule; the paper's window stays on the others
+    from braixdet.config import build_cfg
+    from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
+
+    for key, whole in (("braixdet_oracle_boxes_whole_schedule", True),
+                       ("braixdet_oracle_boxes", False)):
+        m = METHODS[key]
+        cfg = build_cfg(os.path.join(REPO, "configs", "demo", m.config), list(m.opts))
+        iters = fusion_iters_from_cfg(10_000, cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
+                                      cfg.SSL.CAM_FUSION_EPOCHS, cfg.SSL.CAM_FUSION_ITERS)
+        assert (iters > 10 ** 8) == whole and cfg.SSL.CAM_BOX_SOURCE == "oracle"
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    assert e.value.code == 0 and "--seeds" in capsys.readouterr().out
+
+
 def test_demo_data_criteria_and_candidates(capsys, load_tool):
     """RESULTS §1.8 (the demo's data; CPU hours, not run here): the criteria at their edges,
     every candidate a make_synthetic_dataset setting, main() parses its arguments."""
