@@ -15,6 +15,7 @@ is read for these scalars only, never for training. ``read_quality_curves`` and
 import collections
 import json
 import math
+import textwrap
 from typing import Dict
 
 import torch
@@ -100,7 +101,9 @@ def plot_quality_curves(curves, out_png, title=""):
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"pooled over {WINDOW} iterations")
     ax.set_ylim(0, 1.02)
-    ax.set_title(title or "pseudo-boxes of D_w against the truth (IoU >= 0.2)")
+    # wrapped: a row's label and its data name overflow one line of the figure
+    ax.set_title(textwrap.fill(title or "pseudo-boxes of D_w against the truth (IoU >= 0.2)",
+                               70), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
