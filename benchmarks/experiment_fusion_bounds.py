@@ -11,13 +11,15 @@ ROWS sharing the seed's split and stage 1, with SSL.PSEUDO_QUALITY on: Mean Teac
 and BRAIxDet with Algorithm 2 fed by random boxes inside the breast, by D_w's true cancer boxes
 in the paper's window, and by the true boxes at every iteration; --ceiling adds the full-label
 ceiling of each seed's split. Writes <out>/fusion_bounds.md
-and .json (rows per seed, effects paired by seed, the verdict, the pseudo-box quality per source)
-and <out>/pseudo_quality_<row>_s<seed>.png. Re-running continues (done-markers); seeds can run
+and .json (rows per seed, effects paired by seed, the verdict, the pseudo-box quality per source),
+<out>/fusion_bounds.png (the rows per seed against the ceiling) and
+<out>/pseudo_quality_<row>_s<seed>.png. Re-running continues (done-markers); seeds can run
 as separate processes and a last run over all of them writes the table. Not part of
 `make bench` (about 30 CPU minutes a seed).
 """
 import argparse
 import os
+import textwrap
 import time
 
 from experiment_box_sources import quality_of
@@ -26,6 +28,7 @@ from experiment_mv_cost import effects_of, effects_table, row_table
 
 from braixdet.pipeline.ceiling import add_ceiling
 from braixdet.pipeline.demo import DEMO, make_data, pipeline_args
+from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import CEILING, fmt_cell
 from braixdet.pipeline.seeds import run_seeds, seed_args
 from braixdet.utils.io import atomic_write_json, atomic_write_text
@@ -79,6 +82,43 @@ def pseudo_quality(out, seeds):
     return quality
 
 
+def plot_rows(per_seed, seeds, out_png):
+    """Each row's AP@0.2 per seed (dots, one colour a seed) and its mean (bar), the ceiling's
+    mean as a line when present: where the rows sit against it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def ap(summary, label):
+        m = summary["results"].get(label)
+        return None if m is None else float(m.get("bbox", m)["AP20"])
+
+    labels = [METHODS[k].label for k in ROWS]
+    fig = Figure(figsize=(8.5, 3.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, label in enumerate(labels):
+        values = [v for v in (ap(s, label) for s in per_seed) if v is not None]
+        if values:
+            ax.barh(i, sum(values) / len(values), color="0.85")
+    for seed, summary in zip(seeds, per_seed):
+        ax.plot([ap(summary, label) for label in labels], range(len(labels)), "o", ms=5,
+                label=f"seed {seed}")
+    ceiling = [v for v in (ap(s, CEILING) for s in per_seed) if v is not None]
+    if ceiling:
+        ax.axvline(sum(ceiling) / len(ceiling), color="k", ls="--", lw=1,
+                   label="full-label ceiling (mean)")
+    ax.set_yticks(range(len(labels)), [textwrap.fill(t, 28) for t in labels], fontsize=8)
+    ax.invert_yaxis()
+    shown = [v for s in per_seed for v in (ap(s, t) for t in [*labels, CEILING]) if v is not None]
+    ax.set_xlim(min(shown) - 5, max(shown) + 3)  # the bars' left ends are cut: dots matter
+    ax.set_xlabel("AP@IoU0.2 (%), test split; bar: mean over seeds")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the dots
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    return out_png
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -110,6 +150,7 @@ def main(argv=None):
         *effects_table(effects), "", f"Verdict (RESULTS §16's criteria): **{answer}**.", "",
         f"{(time.time() - t0) / 60:.1f} min."]) + "\n"
     atomic_write_text(os.path.join(out, "fusion_bounds.md"), text)
+    plot_rows(per_seed, a.seeds, os.path.join(out, "fusion_bounds.png"))
     atomic_write_json(os.path.join(out, "fusion_bounds.json"), {
         "data_seed": DATA_SEED, "spec": SPEC, "seeds": a.seeds, "effects": effects,
         "verdict": answer, "per_seed": [s["results"] for s in per_seed],

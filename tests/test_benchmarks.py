@@ -105,7 +105,7 @@ def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
     assert e.value.code == 0 and "--stage1" in capsys.readouterr().out
 
 
-def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool):
+def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, tmp_path):
     """experiment_fusion_bounds.py (RESULTS §16; CPU hours, not run here): the five rows' effects
     paired by seed, the verdict of the criteria written before the runs in their order and at
     their edges, main() parses its arguments."""
@@ -134,6 +134,10 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool):
     for lows, answer in cases:
         assert script.verdict(with_lows(*lows)).startswith(answer), lows
     assert script.verdict(with_lows(5, 5, 5, n=1)).startswith("undecided")
+    import cv2
+
+    png = script.plot_rows(per_seed, [0, 1, 2], str(tmp_path / "rows.png"))
+    assert cv2.imread(png).shape == (456, 1020, 3)  # 8.5 x 3.8 inches at 120 dpi
     # the new row fuses true boxes past any schedule; the paper's window stays on the others
     from braixdet.config import build_cfg
     from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
