@@ -23,7 +23,7 @@ from experiment_ratio_grid import run_args
 from braixdet.pipeline.ceiling import run_ceiling
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import CEILING
+from braixdet.pipeline.results import CEILING, row_metric
 from braixdet.utils.io import atomic_write_json
 
 CRITERIA = {"gap_min": 15.0, "ceiling_max": 85.0, "floor_range": (35.0, 60.0)}
@@ -82,8 +82,7 @@ def check(floor, ceiling):
 
 
 def ap20(summary, row=ROW):
-    m = summary["results"][row]
-    return float(m.get("bbox", m)["AP20"])
+    return row_metric(summary["results"][row])
 
 
 def add_regime_arguments(ap):

@@ -21,7 +21,7 @@ from braixdet.pipeline.ceiling import run_ceiling
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.demo import DEMO, make_data, pipeline_args
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import CEILING
+from braixdet.pipeline.results import CEILING, row_metric
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 DEV_DATA_SEED = 1  # the demo's data are seed 0 (demo.DATA_SEED)
@@ -29,10 +29,6 @@ _ANATOMY = dict(texture_strength=0.05, vessels=2.0, vessel_calc_fraction=0.3,
                 benign_per_breast=0.6, size_sigma=0.45)  # benchmark_a's (regimes.py)
 CANDIDATES = {"N": {}, "H1": _ANATOMY, "H2": dict(_ANATOMY, contrast_scale=0.8)}
 CRITERIA = {"stage1_test_auc_min": 0.75, "gap_min": 10.0, "ceiling_max": 90.0}
-
-
-def ap20(metrics):
-    return float(metrics.get("bbox", metrics)["AP20"])
 
 
 def export_position(stage_dir):
@@ -69,8 +65,8 @@ def run_candidate(a, name):
     it, last = export_position(os.path.join(args.out, "ceiling", "faster_rcnn"))
     single_view = floor["classifiers"]["classifier_single_view"]
     r = {"candidate": name, "generator": CANDIDATES[name],
-         "floor_ap20": ap20(floor["results"][METHODS["faster_rcnn"].label]),
-         "ceiling_ap20": ap20(ceiling["results"][CEILING]),
+         "floor_ap20": row_metric(floor["results"][METHODS["faster_rcnn"].label]),
+         "ceiling_ap20": row_metric(ceiling["results"][CEILING]),
          "mvccl_test_auc": float(mvccl["test"]["AUC"]),
          "single_view_test_auc": float(single_view["test"]["AUC"]),
          "ceiling_export_iteration": it, "ceiling_max_iter": last,

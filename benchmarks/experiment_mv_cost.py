@@ -19,7 +19,7 @@ import numpy as np
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set, run_args
 
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import fmt_cell, paired_effect
+from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
 from braixdet.pipeline.seeds import run_seeds
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -47,8 +47,8 @@ def grid_values(per_seed, rows=ROWS, metric="AP20"):
     """{row key: [its metric per seed]} over the seeds that have every one of ``rows``."""
     complete = [s["results"] for s in per_seed
                 if all(METHODS[k].label in s["results"] for k in rows)]
-    return {k: np.array([float(r[METHODS[k].label].get("bbox", r[METHODS[k].label])[metric])
-                         for r in complete]) for k in rows}
+    return {k: np.array([row_metric(r[METHODS[k].label], metric) for r in complete])
+            for k in rows}
 
 
 def effects_of(per_seed, effects=EFFECTS, rows=ROWS, metric="AP20"):
@@ -83,15 +83,14 @@ def verdict(effects):
     return "not attributed at this precision"
 
 
-def row_table(per_seed, seeds, rows=ROWS):
-    """Markdown lines: one row per method, its AP@0.2 per seed."""
+def row_table(per_seed, seeds, labels):
+    """Markdown lines: one line per results row (``labels``), its AP@0.2 per seed."""
     lines = ["| row | " + " | ".join(f"seed {s}" for s in seeds) + " |",
              "|---|" + "---|" * len(seeds)]
-    for key in rows:
-        label = METHODS[key].label
+    for label in labels:
         lines.append(f"| {label} | " + " | ".join(
-            fmt_cell(float(s["results"][label].get("bbox", s["results"][label])["AP20"]), ".1f")
-            if label in s["results"] else "—" for s in per_seed) + " |")
+            fmt_cell(row_metric(s["results"][label]), ".1f") if label in s["results"] else "—"
+            for s in per_seed) + " |")
     return lines
 
 
@@ -111,7 +110,8 @@ def report(per_seed, root, seeds):
     effects = effects_of(per_seed)
     answer = verdict(effects)
     lines = [f"Development set {root}; seeds {seeds}; AP@IoU0.2 (%) on the test split.", "",
-             *row_table(per_seed, seeds), "", *effects_table(effects), "",
+             *row_table(per_seed, seeds, [METHODS[k].label for k in ROWS]), "",
+             *effects_table(effects), "",
              f"Verdict (RESULTS §15's criteria): **{answer}**."]
     return "\n".join(lines), effects, answer
 

@@ -152,12 +152,16 @@ def paired_effect(x, y, alternative="two-sided", confidence=0.95):
     return out
 
 
+def row_metric(metrics, metric="AP20"):
+    """A row's metric from its results entry: the evaluator's {"bbox": {...}} or a flat dict."""
+    return float(metrics.get("bbox", metrics)[metric])
+
+
 def _paired_values(per_seed, a, b, metric="AP20"):
     """(values of row a, of row b) over the seeds that have both."""
     pairs = [(s["results"][a], s["results"][b]) for s in per_seed
              if a in s["results"] and b in s["results"]]
-    return ([float(x.get("bbox", x)[metric]) for x, _ in pairs],
-            [float(y.get("bbox", y)[metric]) for _, y in pairs])
+    return ([row_metric(x, metric) for x, _ in pairs], [row_metric(y, metric) for _, y in pairs])
 
 
 def paired_tables(per_seed, metric="AP20"):
