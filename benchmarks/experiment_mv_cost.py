@@ -99,7 +99,8 @@ def effects_table(effects):
     lines = ["| effect | with − without | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
              "|---|---|---|---|---|---|"]
     for name, e in effects.items():
-        a, b = (" and ".join(METHODS[k].label for k in keys) for keys in e["rows"])
+        a, b = (" and ".join(METHODS[k].label if k in METHODS else k for k in keys)
+                for keys in e["rows"])
         lines.append(f"| {name} | {a} − {b} | {e['n']} | {fmt_cell(e['mean'], '+.1f')} "
                      f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
                      f"{fmt_cell(e['p_t'], '.4f')} | {fmt_cell(e['p_wilcoxon'], '.4f')} |")

@@ -157,7 +157,7 @@ def row_metric(metrics, metric="AP20"):
     return float(metrics.get("bbox", metrics)[metric])
 
 
-def _paired_values(per_seed, a, b, metric="AP20"):
+def paired_values(per_seed, a, b, metric="AP20"):
     """(values of row a, of row b) over the seeds that have both."""
     pairs = [(s["results"][a], s["results"][b]) for s in per_seed
              if a in s["results"] and b in s["results"]]
@@ -177,7 +177,7 @@ def paired_tables(per_seed, metric="AP20"):
              "|---|---|---|---|---|---|---|---|"]
     out = {"components": {}, "ours_vs": {}}
     for name, with_row, without_row in COMPONENTS:
-        e = paired_effect(*_paired_values(per_seed, with_row, without_row, metric))
+        e = paired_effect(*paired_values(per_seed, with_row, without_row, metric))
         paper = PAPER_TABLE6_AP20[with_row] - PAPER_TABLE6_AP20[without_row]
         same = "n/a" if math.isnan(e["mean"]) else ("yes" if e["mean"] * paper > 0 else "no")
         out["components"][name] = dict(e, paper=paper)
@@ -189,7 +189,7 @@ def paired_tables(per_seed, metric="AP20"):
     for row in rows:
         if row in (OURS, CEILING):
             continue
-        e = paired_effect(*_paired_values(per_seed, OURS, row, metric), alternative="greater")
+        e = paired_effect(*paired_values(per_seed, OURS, row, metric), alternative="greater")
         out["ours_vs"][row] = e
         lines.append(f"| {OURS} − {row} | {cells(e)} |")
     return "\n".join(lines), out
