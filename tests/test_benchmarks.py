@@ -134,6 +134,22 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
     for lows, answer in cases:
         assert script.verdict(with_lows(*lows)).startswith(answer), lows
     assert script.verdict(with_lows(5, 5, 5, n=1)).startswith("undecided")
+    missing = with_lows(5, 5, 5)
+    del missing[script.ORACLE]  # --rows without the paper's-window oracle: no verdict
+    assert script.verdict(missing).startswith("undecided: not every row")
+    # each row against the ceiling, paired by seed over the seeds where both ran
+    from braixdet.pipeline.results import CEILING
+
+    for i, value in enumerate([72, 66, 70]):
+        if i < 2:  # the third seed has no ceiling
+            per_seed[i]["results"][CEILING] = {"bbox": {"AP20": value}}
+    context = script.ceiling_effects(per_seed, ["mean_teacher", "braixdet"])
+    mt = context[f"{METHODS['mean_teacher'].label} − ceiling"]
+    assert mt["n"] == 2 and mt["mean"] == pytest.approx(-4.0)
+    assert mt["rows"] == [["mean_teacher"], [CEILING]]
+    assert script.effects_table(context)[2].startswith(
+        f"| {METHODS['mean_teacher'].label} − ceiling | {METHODS['mean_teacher'].label} − "
+        f"{CEILING} | 2 | -4.0 ")
     import cv2
 
     png = script.plot_rows(per_seed, [0, 1, 2], str(tmp_path / "rows.png"))
@@ -151,7 +167,11 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
         assert (iters > 10 ** 8) == whole and cfg.SSL.CAM_BOX_SOURCE == "oracle"
     with pytest.raises(SystemExit) as e:
         script.main(["--help"])
-    assert e.value.code == 0 and "--seeds" in capsys.readouterr().out
+    usage = capsys.readouterr().out
+    assert e.value.code == 0 and "--seeds" in usage and "--ratio" in usage
+    with pytest.raises(SystemExit) as e:  # --rows takes the script's rows only
+        script.main(["--out", str(tmp_path), "--rows", "faster_rcnn"])
+    assert e.value.code == 2 and "invalid choice: 'faster_rcnn'" in capsys.readouterr().err
 
 
 def test_demo_data_criteria_and_candidates(capsys, load_tool):
