@@ -89,7 +89,7 @@ def ceiling_effects(per_seed, rows):
     return effects
 
 
-def pseudo_quality(out, seeds, rows=ROWS):
+def pseudo_quality(out, seeds, rows=ROWS, ratio="1/8"):
     """{row: {seed: quality_of(...)}} for the rows that fuse, over the seeds that ran them."""
     quality = {}
     for key in [k for k in rows if k != "mean_teacher"]:
@@ -97,7 +97,7 @@ def pseudo_quality(out, seeds, rows=ROWS):
             run_dir = os.path.join(out, f"s{seed}")
             if os.path.exists(os.path.join(run_dir, key, "metrics.json")):
                 quality.setdefault(key, {})[seed] = quality_of(
-                    run_dir, key, f"_s{seed}", data=f"set F, seed {seed}")
+                    run_dir, key, f"_s{seed}", data=f"set F at {ratio}, seed {seed}")
     return quality
 
 
@@ -170,7 +170,7 @@ def main(argv=None):
     text = "\n".join([
         f"Development set F (generator seed {DATA_SEED}), ratio {a.ratio}; seeds {a.seeds}; "
         "AP@IoU0.2 (%) on the test split.", "", *row_table(per_seed, a.seeds, labels), "",
-        *effects_table(effects), "",
+        *([*effects_table(effects), ""] if effects else []),
         *(["Context, not a criterion: each row against the full-label ceiling.", "",
            *effects_table(context), ""] if context else []),
         f"Verdict (RESULTS §16's criteria): **{answer}**.", "",
@@ -183,7 +183,7 @@ def main(argv=None):
         "per_seed": [s["results"] for s in per_seed],
         "cam_quality": [s.get("cam_quality") for s in per_seed],
         "classifiers": [s.get("classifiers") for s in per_seed],
-        "pseudo_quality": pseudo_quality(out, a.seeds, rows)}, indent=1)
+        "pseudo_quality": pseudo_quality(out, a.seeds, rows, a.ratio)}, indent=1)
     print("\n" + text)
 
 
