@@ -34,7 +34,17 @@ from experiment_mv_cost import effects_of, effects_table, row_table
 from braixdet.pipeline.ceiling import add_ceiling
 from braixdet.pipeline.demo import DEMO, make_data, pipeline_args
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import CEILING, paired_effect, paired_values, row_metric
+from braixdet.pipeline.results import (
+    CEILING,
+    COMPONENTS,
+    OURS,
+    PAPER_TABLE6_AP20,
+    fmt_cell,
+    paired_effect,
+    paired_values,
+    row_metric,
+    seeds_to_detect,
+)
 from braixdet.pipeline.seeds import run_seeds, seed_args
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -75,6 +85,20 @@ def verdict(effects):
                 "every iteration)")
     return ("the fusion adds nothing measurable here: even true boxes at every iteration are "
             "not ahead of Mean Teacher")
+
+
+def seeds_for_paper(effects):
+    """A line: the seeds a paired t-test needs to find the paper's CAM fusion effect (Table 6)
+    at the spread BRAIxDet − Mean Teacher had here; None without that effect."""
+    e = effects.get(FUSION)
+    if e is None or not e["n"] >= 2:
+        return None
+    _, with_row, without_row = next(c for c in COMPONENTS if c[1] == OURS)
+    paper = PAPER_TABLE6_AP20[with_row] - PAPER_TABLE6_AP20[without_row]
+    return (f"Seeds a paired t-test (two-sided, 0.05) needs to find the paper's CAM fusion effect "
+            f"({paper:+.1f} AP, Table 6) with power 0.8 at this spread of {FUSION} (sd "
+            f"{e['sd']:.1f} AP over {e['n']} seeds): "
+            f"{fmt_cell(seeds_to_detect(paper, e['sd']), 'd')}.")
 
 
 def ceiling_effects(per_seed, rows):
@@ -171,6 +195,7 @@ def main(argv=None):
         f"Development set F (generator seed {DATA_SEED}), ratio {a.ratio}; seeds {a.seeds}; "
         "AP@IoU0.2 (%) on the test split.", "", *row_table(per_seed, a.seeds, labels), "",
         *([*effects_table(effects), ""] if effects else []),
+        *([seeds_for_paper(effects), ""] if seeds_for_paper(effects) else []),
         *(["Context, not a criterion: each row against the full-label ceiling.", "",
            *effects_table(context), ""] if context else []),
         f"Verdict (RESULTS §16's criteria): **{answer}**.", "",
@@ -180,6 +205,7 @@ def main(argv=None):
     atomic_write_json(os.path.join(out, "fusion_bounds.json"), {
         "data_seed": DATA_SEED, "spec": SPEC, "ratio": a.ratio, "seeds": a.seeds, "rows": rows,
         "effects": effects, "ceiling_effects": context, "verdict": answer,
+        "seeds_for_paper": seeds_for_paper(effects),
         "per_seed": [s["results"] for s in per_seed],
         "cam_quality": [s.get("cam_quality") for s in per_seed],
         "classifiers": [s.get("classifiers") for s in per_seed],

@@ -123,6 +123,12 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
     assert {k: effects[script.ORACLE_WHOLE][k] for k in want} == want
     assert effects["GradCAM − random boxes"]["mean"] == pytest.approx(2 / 3)
     assert script.verdict(effects).startswith("the loss is in Algorithm 2's window")
+    from braixdet.pipeline.results import seeds_to_detect
+
+    sd = effects[script.FUSION]["sd"]  # BRAIxDet − Mean Teacher: 1, 2, 0
+    assert script.seeds_for_paper(effects).endswith(
+        f"(sd {sd:.1f} AP over 3 seeds): {seeds_to_detect(92.78 - 90.51, sd)}.")
+    assert script.seeds_for_paper({}) is None
 
     def with_lows(fusion, oracle, whole, n=5):
         return {script.FUSION: {"ci_low": fusion, "n": n}, script.ORACLE: {"ci_low": oracle},

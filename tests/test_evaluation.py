@@ -510,12 +510,34 @@ def test_paired_effect_against_scipy_and_exact_cases():
     assert up["p_wilcoxon"] == pytest.approx(1 / 32)
     assert np.isnan(paired_effect([1.0], [0.0])["ci_low"])  # one seed: no interval, no test
     assert np.isnan(paired_effect([1.0, 2.0], [1.0, 2.0])["p_wilcoxon"])  # no difference
+    assert e["sd"] == pytest.approx(np.std(d, ddof=1))
+
+
+def test_seeds_to_detect_matches_the_noncentral_t_power():
+    """seeds_to_detect: the smallest n whose two-sided paired t-test at alpha 0.05 has power
+    >= 0.8, checked against the power from scipy's noncentral t (another implementation): at
+    n the power reaches 0.8, at n - 1 it does not. Halving the spread needs about a quarter."""
+    from scipy import stats
+
+    from braixdet.pipeline.results import seeds_to_detect
+
+    def power(n, effect, sd, alpha=0.05):
+        t = stats.t.ppf(1 - alpha / 2, n - 1)
+        nc = effect / sd * np.sqrt(n)
+        return stats.nct.sf(t, n - 1, nc) + stats.nct.cdf(-t, n - 1, nc)
+
+    n = seeds_to_detect(2.3, 4.3)
+    assert power(n, 2.3, 4.3) >= 0.8 > power(n - 1, 2.3, 4.3)
+    assert n == 30  # the paper's CAM fusion at §16's spread of BRAIxDet − Mean Teacher
+    assert seeds_to_detect(-2.3, 4.3) == n  # the sign does not matter, two-sided
+    assert seeds_to_detect(2.3, 2.15) < n / 3
+    assert np.isnan(seeds_to_detect(2.3, float("nan"))) and np.isnan(seeds_to_detect(2.3, 0.0))
 
 
 def test_paired_tables_put_each_component_beside_the_papers_sign():
     """Table 6's components from the rows of each seed: MV as Faster R-CNN + MV − Faster R-CNN
     (paper +5.5), only over seeds holding both rows; the ceiling is never compared with."""
-    from braixdet.pipeline.results import CEILING, OURS, paired_tables
+    from braixdet.pipeline.results import CEILING, OURS, paired_tables, seeds_to_detect
 
     def seed(frcnn, mv, ours):
         return {"results": {"Faster R-CNN": {"bbox": {"AP20": frcnn}},
@@ -528,6 +550,8 @@ def test_paired_tables_put_each_component_beside_the_papers_sign():
     assert mv["n"] == 3 and mv["mean"] == pytest.approx(-4.0)
     assert mv["paper"] == pytest.approx(90.05 - 84.52)
     assert "| MV | Faster R-CNN + MV − Faster R-CNN | 3 | -4.0 [" in md and "| +5.5 | no |" in md
+    # MV's differences -5, -4, -3 (sd 1): the paper's +5.5 needs few seeds at that spread
+    assert mv["seeds_to_detect_paper"] == seeds_to_detect(90.05 - 84.52, 1.0) < 5
     assert out["components"]["CAM fusion"]["n"] == 0  # no Mean Teacher row: not paired
     assert set(out["ours_vs"]) == {"Faster R-CNN", "Faster R-CNN + MV"}
     assert out["ours_vs"]["Faster R-CNN"]["mean"] == pytest.approx(10.0)

@@ -136,12 +136,14 @@ COMPONENTS = (("MV", "Faster R-CNN + MV", "Faster R-CNN"),
 def paired_effect(x, y, alternative="two-sided", confidence=0.95):
     """The effect x - y paired by seed (x[i], y[i] from the same seed's split and stage 1):
     its mean, the t interval at ``confidence``, the paired t-test's and the Wilcoxon
-    signed-rank test's p-values (scipy; NaN where n is too small for them)."""
+    signed-rank test's p-values (scipy; NaN where n is too small for them), and the differences'
+    standard deviation ``sd`` (what seeds_to_detect reads)."""
     d = np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)
     n, nan = len(d), float("nan")
-    out = {"n": n, "mean": float(np.mean(d)) if n else nan, "ci_low": nan, "ci_high": nan,
-           "p_t": nan, "p_wilcoxon": nan}
+    out = {"n": n, "mean": float(np.mean(d)) if n else nan, "sd": nan, "ci_low": nan,
+           "ci_high": nan, "p_t": nan, "p_wilcoxon": nan}
     if n >= 2:
+        out["sd"] = float(np.std(d, ddof=1))
         sem = float(stats.sem(d))
         half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sem
         out["ci_low"], out["ci_high"] = out["mean"] - half, out["mean"] + half
@@ -150,6 +152,27 @@ def paired_effect(x, y, alternative="two-sided", confidence=0.95):
         if np.any(d != 0):
             out["p_wilcoxon"] = float(stats.wilcoxon(d, alternative=alternative).pvalue)
     return out
+
+
+def seeds_to_detect(effect, sd, alpha=0.05, power=0.8):
+    """Seeds a two-sided paired t-test at ``alpha`` needs to find a true ``effect`` with
+    ``power`` when the per-seed differences spread by ``sd`` (statsmodels' TTestPower); NaN
+    without a measured spread. How many seeds would decide a component, before paying for them."""
+    if not sd > 0 or effect == 0:  # NaN (under two seeds) or no spread: nothing to size
+        return float("nan")
+    from statsmodels.stats.power import TTestPower
+
+    def enough(n):  # NaN (statsmodels at the smallest n) counts as not enough
+        return TTestPower().power(effect_size=abs(effect) / sd, nobs=n, alpha=alpha) >= power
+
+    # power grows with n: double, then bisect (its root finder fails for large effects)
+    low, high = 1, 2
+    while not enough(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    return high
 
 
 def row_metric(metrics, metric="AP20"):
@@ -173,16 +196,18 @@ def paired_tables(per_seed, metric="AP20"):
                 f"{fmt_cell(e['p_wilcoxon'], '.4f')}")
 
     lines = [f"| component | with − without | seeds | effect on {metric} (%) [95% CI] | paired t "
-             "p (two-sided) | Wilcoxon p | paper Table 6 | same sign |",
-             "|---|---|---|---|---|---|---|---|"]
+             "p (two-sided) | Wilcoxon p | paper Table 6 | same sign | seeds to detect the "
+             "paper's effect at this spread (power 0.8) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     out = {"components": {}, "ours_vs": {}}
     for name, with_row, without_row in COMPONENTS:
         e = paired_effect(*paired_values(per_seed, with_row, without_row, metric))
         paper = PAPER_TABLE6_AP20[with_row] - PAPER_TABLE6_AP20[without_row]
         same = "n/a" if math.isnan(e["mean"]) else ("yes" if e["mean"] * paper > 0 else "no")
-        out["components"][name] = dict(e, paper=paper)
+        needed = seeds_to_detect(paper, e["sd"])
+        out["components"][name] = dict(e, paper=paper, seeds_to_detect_paper=needed)
         lines.append(f"| {name} | {with_row} − {without_row} | {cells(e)} | {paper:+.1f} | "
-                     f"{same} |")
+                     f"{same} | {fmt_cell(needed, 'd')} |")
     rows = list(OrderedDict.fromkeys(k for s in per_seed for k in s["results"]))
     lines += ["", f"| {OURS} − row | seeds | effect on {metric} (%) [95% CI] | paired t p "
               f"(one-tailed, {OURS} greater) | Wilcoxon p (one-tailed) |", "|---|---|---|---|---|"]
