@@ -43,17 +43,18 @@ def mean_quality(curves, first, last):
     return out
 
 
-def quality_of(run_dir, key, suffix="", data="set D"):
+def quality_of(run_dir, key, suffix="", data="set D", fusion_end=None):
     """Pseudo-box quality of one row's run: its curves, plotted, and their means in the fusion
     phase (SSL.CAM_FUSION_EPOCHS, as the trainer logged it) and after it. ``data`` names the
-    data in the plot's title."""
+    data in the plot's title; ``fusion_end``: split there instead (a row that fuses nothing,
+    e.g. Mean Teacher, at another row's phase)."""
     stage = os.path.join(run_dir, key)
     curves = read_quality_curves(os.path.join(stage, "metrics.json"))
     plot_quality_curves(curves, os.path.join(os.path.dirname(run_dir),
                                              f"pseudo_quality_{key}{suffix}.png"),
                         title=f"{METHODS[key].label}: D_w pseudo-boxes vs truth ({data})")
     last = max((it for m in curves.values() for pts in m.values() for it, _ in pts), default=0)
-    fusion_end = _fusion_end(stage)
+    fusion_end = _fusion_end(stage) if fusion_end is None else fusion_end
     return {"fusion_phase": mean_quality(curves, 0, fusion_end),
             "after": mean_quality(curves, fusion_end + 1, last), "fusion_end": fusion_end}
 

@@ -114,14 +114,21 @@ def ceiling_effects(per_seed, rows):
 
 
 def pseudo_quality(out, seeds, rows=ROWS, ratio="1/8"):
-    """{row: {seed: quality_of(...)}} for the rows that fuse, over the seeds that ran them."""
+    """{row: {seed: quality_of(...)}} over the seeds that ran the row; Mean Teacher's split at
+    BRAIxDet's fusion phase of the same seed (its teacher without any fused box, for comparison)."""
     quality = {}
-    for key in [k for k in rows if k != "mean_teacher"]:
+    for key in [k for k in rows if k != "mean_teacher"] + ["mean_teacher"]:
         for seed in seeds:
             run_dir = os.path.join(out, f"s{seed}")
-            if os.path.exists(os.path.join(run_dir, key, "metrics.json")):
-                quality.setdefault(key, {})[seed] = quality_of(
-                    run_dir, key, f"_s{seed}", data=f"set F at {ratio}, seed {seed}")
+            if not os.path.exists(os.path.join(run_dir, key, "metrics.json")):
+                continue
+            end = None
+            if key == "mean_teacher":
+                end = quality.get("braixdet", {}).get(seed, {}).get("fusion_end")
+                if end is None:
+                    continue
+            quality.setdefault(key, {})[seed] = quality_of(
+                run_dir, key, f"_s{seed}", data=f"set F at {ratio}, seed {seed}", fusion_end=end)
     return quality
 
 

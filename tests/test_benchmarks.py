@@ -175,6 +175,23 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
         script.main(["--help"])
     usage = capsys.readouterr().out
     assert e.value.code == 0 and "--seeds" in usage and "--ratio" in usage
+    # Mean Teacher's pseudo-box quality is split at BRAIxDet's fusion phase of the same seed
+    import json
+
+    for key, values in (("braixdet", (0.2, 0.6)), ("mean_teacher", (0.1, 0.5))):
+        stage = tmp_path / "q" / "s0" / key
+        stage.mkdir(parents=True)
+        (stage / "metrics.json").write_text("\n".join(
+            json.dumps({"iteration": it, "ssl/quality/teacher_precision": v})
+            for it, v in ((9, values[0]), (19, values[1]), (29, values[1]))))
+    (tmp_path / "q" / "s0" / "braixdet" / "log.txt").write_text(
+        "[11/26 10:00:00 braixdet.engine.trainers]: Algorithm 2: GradCAM fusion during the "
+        "first 10 iterations\n")
+    quality = script.pseudo_quality(str(tmp_path / "q"), [0, 1], ["mean_teacher", "braixdet"])
+    assert quality["mean_teacher"][0]["fusion_end"] == quality["braixdet"][0]["fusion_end"] == 9
+    assert quality["mean_teacher"][0]["fusion_phase"] == {"teacher_precision": 0.1}
+    assert quality["mean_teacher"][0]["after"] == {"teacher_precision": 0.5}
+    assert set(quality["braixdet"]) == {0}  # seed 1 ran nothing
     with pytest.raises(SystemExit) as e:  # --rows takes the script's rows only
         script.main(["--out", str(tmp_path), "--rows", "faster_rcnn"])
     assert e.value.code == 2 and "invalid choice: 'faster_rcnn'" in capsys.readouterr().err
