@@ -51,17 +51,27 @@ from braixdet.utils.io import atomic_write_json, atomic_write_text
 DATA_SEED = 11
 SPEC = dict(DEMO["full"], generator=CANDIDATES["H1"])
 ROWS = ["mean_teacher", "braixdet", "braixdet_random_boxes", "braixdet_oracle_boxes",
-        "braixdet_oracle_boxes_whole_schedule"]
+        "braixdet_oracle_boxes_whole_schedule", "braixdet_whole_schedule"]
+DEFAULT_ROWS = ROWS[:5]  # RESULTS §16's rows; the last (§17 step 3, a diagnostic) when named
 FUSION = "CAM fusion (BRAIxDet − Mean Teacher)"
 ORACLE = "oracle boxes, paper's window − Mean Teacher"
 ORACLE_WHOLE = "oracle boxes, whole schedule − Mean Teacher"
+GRADCAM_WHOLE = "GradCAM boxes, whole schedule − Mean Teacher"
 EFFECTS = {
     FUSION: (("braixdet",), ("mean_teacher",)),
     ORACLE: (("braixdet_oracle_boxes",), ("mean_teacher",)),
     ORACLE_WHOLE: (("braixdet_oracle_boxes_whole_schedule",), ("mean_teacher",)),
     "GradCAM − random boxes": (("braixdet",), ("braixdet_random_boxes",)),
     "oracle − GradCAM boxes, paper's window": (("braixdet_oracle_boxes",), ("braixdet",)),
+    # RESULTS §17 step 3, a diagnostic (not a criterion): Algorithm 1's boxes fused throughout
+    GRADCAM_WHOLE: (("braixdet_whole_schedule",), ("mean_teacher",)),
 }
+
+
+def effects_between(rows):
+    """The EFFECTS whose rows are all among ``rows``."""
+    return {name: sides for name, sides in EFFECTS.items()
+            if set(sides[0] + sides[1]) <= set(rows)}
 
 
 def verdict(effects):
@@ -113,7 +123,7 @@ def ceiling_effects(per_seed, rows):
     return effects
 
 
-def pseudo_quality(out, seeds, rows=ROWS, ratio="1/8"):
+def pseudo_quality(out, seeds, rows=DEFAULT_ROWS, ratio="1/8"):
     """{row: {seed: quality_of(...)}} over the seeds that ran the row; Mean Teacher's split at
     BRAIxDet's fusion phase of the same seed (its teacher without any fused box, for comparison)."""
     quality = {}
@@ -132,7 +142,7 @@ def pseudo_quality(out, seeds, rows=ROWS, ratio="1/8"):
     return quality
 
 
-def plot_rows(per_seed, seeds, out_png, rows=ROWS):
+def plot_rows(per_seed, seeds, out_png, rows=DEFAULT_ROWS):
     """Each row's AP@0.2 per seed (dots, one colour a seed) and its mean (bar), the ceiling's
     mean as a line when present: where the rows sit against it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -174,7 +184,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--ratio", default="1/8", help="the partial protocol's label ratio")
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=ROWS, help="default: every row")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=DEFAULT_ROWS,
+                    help=f"default: {' '.join(DEFAULT_ROWS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     ap.add_argument("--ceiling", action="store_true",
                     help="also the full-label ceiling per seed (pipeline/ceiling.py; context for "
@@ -194,8 +205,7 @@ def main(argv=None):
         for seed, summary in zip(a.seeds, per_seed):
             add_ceiling(seed_args(args, seed, out), summary, SPEC["ceiling_epochs"])
         labels.append(CEILING)
-    effects = effects_of(per_seed, {name: sides for name, sides in EFFECTS.items()
-                                    if set(sides[0] + sides[1]) <= set(rows)}, rows)
+    effects = effects_of(per_seed, effects_between(rows), rows)
     context = ceiling_effects(per_seed, rows)
     answer = verdict(effects)
     text = "\n".join([

@@ -118,7 +118,9 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
             "braixdet_oracle_boxes_whole_schedule": [80, 75, 77]}
     per_seed = [{"results": {METHODS[k].label: {"bbox": {"AP20": v[i]}} for k, v in grid.items()}}
                 for i in range(3)]
-    effects = script.effects_of(per_seed, script.EFFECTS, script.ROWS)
+    effects = script.effects_of(per_seed, script.effects_between(script.DEFAULT_ROWS),
+                                script.DEFAULT_ROWS)
+    assert script.GRADCAM_WHOLE not in effects  # its row is not among the default rows
     want = paired_effect(grid["braixdet_oracle_boxes_whole_schedule"], grid["mean_teacher"])
     assert {k: effects[script.ORACLE_WHOLE][k] for k in want} == want
     assert effects["GradCAM − random boxes"]["mean"] == pytest.approx(2 / 3)
@@ -164,13 +166,16 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
     from braixdet.config import build_cfg
     from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
 
-    for key, whole in (("braixdet_oracle_boxes_whole_schedule", True),
-                       ("braixdet_oracle_boxes", False)):
+    for key, whole, source in (("braixdet_oracle_boxes_whole_schedule", True, "oracle"),
+                               ("braixdet_oracle_boxes", False, "oracle"),
+                               ("braixdet_whole_schedule", True, "gradcam"),
+                               ("braixdet", False, "gradcam")):
         m = METHODS[key]
         cfg = build_cfg(os.path.join(REPO, "configs", "demo", m.config), list(m.opts))
         iters = fusion_iters_from_cfg(10_000, cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
                                       cfg.SSL.CAM_FUSION_EPOCHS, cfg.SSL.CAM_FUSION_ITERS)
-        assert (iters > 10 ** 8) == whole and cfg.SSL.CAM_BOX_SOURCE == "oracle"
+        assert (iters > 10 ** 8) == whole and cfg.SSL.CAM_BOX_SOURCE == source, key
+        assert m.cam == (source == "gradcam"), key  # only GradCAM's rows read Algorithm 1's JSON
     with pytest.raises(SystemExit) as e:
         script.main(["--help"])
     usage = capsys.readouterr().out

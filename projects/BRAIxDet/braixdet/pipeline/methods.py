@@ -66,6 +66,11 @@ METHODS = {
         "BRAIxDet, oracle boxes, whole schedule", "BRAIxDet/braixdet.yaml", "mvccl",
         opts=("SSL.CAM_BOX_SOURCE", "oracle", "SSL.CAM_JSON", "", "SSL.CAM_FUSION_ITERS",
               str(WHOLE_SCHEDULE))),
+    # GradCAM's boxes (Algorithm 1) fused at every iteration: whether the boxes the method has
+    # carry part of what true boxes gain from a longer window (RESULTS §17); diagnostic only
+    "braixdet_whole_schedule": Method(
+        "BRAIxDet, whole schedule", "BRAIxDet/braixdet.yaml", "mvccl", cam=True,
+        opts=("SSL.CAM_FUSION_ITERS", str(WHOLE_SCHEDULE))),
     # where the multi-view cost comes from (issue 27, RESULTS §15): each detector started from
     # the other stage-1 classifier (unmatched modules dropped or trained from scratch)
     "faster_rcnn_mv_sv_init": Method("Faster R-CNN + MV, single-view classifier init",
