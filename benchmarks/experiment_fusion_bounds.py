@@ -9,14 +9,14 @@ Issue 27 items 2 and 3, docs/RESULTS.md §16 (criteria written before the runs).
 set F: the demo's generator call with benchmark_a's anatomy and look-alikes (RESULTS §1.8's
 candidate H1: room between the 1/8 floor and the ceiling, a stage 1 that learns), drawn with
 generator seed 11 (the demo's data: 0; §1.8's draw: 1; set E: 7). Per seed one pipeline run of
-ROWS sharing the seed's split and stage 1, with SSL.PSEUDO_QUALITY on: Mean Teacher, BRAIxDet,
-and BRAIxDet with Algorithm 2 fed by random boxes inside the breast, by D_w's true cancer boxes
-in the paper's window, and by the true boxes at every iteration; --ceiling adds the full-label
-ceiling of each seed's split, and each row's effect against it (context: how much room the
-rows have). --ratio runs the same at fewer boxes (RESULTS §17: where Mean Teacher has room under
-the ceiling); --rows a subset (the verdict needs the first, second, fourth and fifth of ROWS).
-Writes <out>/fusion_bounds.md
-and .json (rows per seed, effects paired by seed, the verdict, the pseudo-box quality per source),
+DEFAULT_ROWS sharing the seed's split and stage 1, with SSL.PSEUDO_QUALITY on: Mean Teacher,
+BRAIxDet, and BRAIxDet with Algorithm 2 fed by random boxes inside the breast, by D_w's true
+cancer boxes in the paper's window, and by the true boxes at every iteration; --ceiling adds the
+full-label ceiling of each seed's split, and each row's effect against it (context: how much
+room the rows have). --ratio runs the same at fewer boxes (RESULTS §17: where Mean Teacher has
+room under the ceiling); --rows a subset or the diagnostic row braixdet_whole_schedule (§17 step
+3; the verdict needs Mean Teacher, BRAIxDet and the two oracle rows). Writes
+<out>/fusion_bounds.md and .json (rows per seed, effects paired by seed, the verdict, the pseudo-box quality per source),
 <out>/fusion_bounds.png (the rows per seed against the ceiling) and
 <out>/pseudo_quality_<row>_s<seed>.png. Re-running continues (done-markers); seeds can run
 as separate processes and a last run over all of them writes the table. Not part of
@@ -207,12 +207,12 @@ def main(argv=None):
         labels.append(CEILING)
     effects = effects_of(per_seed, effects_between(rows), rows)
     context = ceiling_effects(per_seed, rows)
-    answer = verdict(effects)
+    answer, power = verdict(effects), seeds_for_paper(effects)
     text = "\n".join([
         f"Development set F (generator seed {DATA_SEED}), ratio {a.ratio}; seeds {a.seeds}; "
         "AP@IoU0.2 (%) on the test split.", "", *row_table(per_seed, a.seeds, labels), "",
         *([*effects_table(effects), ""] if effects else []),
-        *([seeds_for_paper(effects), ""] if seeds_for_paper(effects) else []),
+        *([power, ""] if power else []),
         *(["Context, not a criterion: each row against the full-label ceiling.", "",
            *effects_table(context), ""] if context else []),
         f"Verdict (RESULTS §16's criteria): **{answer}**.", "",
@@ -222,7 +222,7 @@ def main(argv=None):
     atomic_write_json(os.path.join(out, "fusion_bounds.json"), {
         "data_seed": DATA_SEED, "spec": SPEC, "ratio": a.ratio, "seeds": a.seeds, "rows": rows,
         "effects": effects, "ceiling_effects": context, "verdict": answer,
-        "seeds_for_paper": seeds_for_paper(effects),
+        "seeds_for_paper": power,
         "per_seed": [s["results"] for s in per_seed],
         "cam_quality": [s.get("cam_quality") for s in per_seed],
         "classifiers": [s.get("classifiers") for s in per_seed],
