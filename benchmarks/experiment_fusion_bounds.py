@@ -16,8 +16,8 @@ full-label ceiling of each seed's split, and each row's effect against it (conte
 room the rows have). --ratio runs the same at fewer boxes (RESULTS §17: where Mean Teacher has
 room under the ceiling); --rows a subset or the diagnostic row braixdet_whole_schedule (§17 step
 3; the verdict needs Mean Teacher, BRAIxDet and the two oracle rows). Writes
-<out>/fusion_bounds.md and .json (rows per seed, effects paired by seed, the verdict, the pseudo-box quality per source),
-<out>/fusion_bounds.png (the rows per seed against the ceiling) and
+<out>/fusion_bounds.md and .json (rows per seed, effects paired by seed, the verdict, the
+pseudo-box quality per source), <out>/fusion_bounds.png (the rows per seed against the ceiling) and
 <out>/pseudo_quality_<row>_s<seed>.png. Re-running continues (done-markers); seeds can run
 as separate processes and a last run over all of them writes the table. Not part of
 `make bench` (about 30 CPU minutes a seed).
