@@ -36,9 +36,7 @@ from braixdet.pipeline.demo import DEMO, make_data, pipeline_args
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import (
     CEILING,
-    COMPONENTS,
-    OURS,
-    PAPER_TABLE6_AP20,
+    PAPER_EFFECTS,
     fmt_cell,
     paired_effect,
     paired_values,
@@ -103,8 +101,7 @@ def seeds_for_paper(effects):
     e = effects.get(FUSION)
     if e is None or not e["n"] >= 2:
         return None
-    _, with_row, without_row = next(c for c in COMPONENTS if c[1] == OURS)
-    paper = PAPER_TABLE6_AP20[with_row] - PAPER_TABLE6_AP20[without_row]
+    paper = PAPER_EFFECTS["CAM fusion"]
     return (f"Seeds a paired t-test (two-sided, 0.05) needs to find the paper's CAM fusion effect "
             f"({paper:+.1f} AP, Table 6) with power 0.8 at this spread of {FUSION} (sd "
             f"{e['sd']:.1f} AP over {e['n']} seeds): "
