@@ -10,6 +10,9 @@ through the pipeline with the demo configs: 1/8 (<out>/r1_8/s<seed>) and the ful
 (``--protocol full``, <out>/full/s<seed>; pipeline/ceiling.py, stage 1 shared). No
 semi-supervised row: the regime is chosen before any is run (docs/RESULTS.md §10). Prints and
 writes <out>/criteria.json: ceiling − 1/8 ≥ 15 AP@0.2, ceiling ≤ 85, 1/8 in [35, 60].
+``--det-epochs 3 6`` trains the 1/8 row for each schedule (the first in r1_8/s<seed>, the others
+in r1_8_e<epochs>/s<seed>, stage 1 shared); the criteria use the one whose export has the
+highest validation AP@0.2 (RESULTS §18), never the test number.
 Re-running continues where it stopped (the pipeline's done-markers).
 """
 import argparse
@@ -20,10 +23,11 @@ import time
 
 from experiment_ratio_grid import run_args
 
-from braixdet.pipeline.ceiling import run_ceiling
+from braixdet.pipeline.ceiling import run_ceiling, share_stage1
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import CEILING, row_metric
+from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.utils.io import atomic_write_json
 
 CRITERIA = {"gap_min": 15.0, "ceiling_max": 85.0, "floor_range": (35.0, 60.0)}
@@ -85,6 +89,21 @@ def ap20(summary, row=ROW):
     return row_metric(summary["results"][row])
 
 
+def export_selection(stage_dir):
+    """(iteration, validation value) the best-model export of a detector stage was chosen at."""
+    selected = safe_torch_load(os.path.join(stage_dir, "model_export.pth"))["selected"]
+    return selected["iteration"], selected["value"]
+
+
+def pick_floor(floors):
+    """The schedule (epochs) whose export validates best; a tie goes to the longer schedule.
+    ``floors``: {epochs: {"val_ap20": ...}}."""
+    def validation(e):  # a run without validation has no export value
+        value = floors[e]["val_ap20"]
+        return float("-inf") if value is None else value
+    return max(floors, key=lambda e: (validation(e), e))
+
+
 def add_regime_arguments(ap):
     """--regime, --set and --out: the regime a script generates under <out>/data."""
     ap.add_argument("--regime", required=True, help="a key of synthetic_mammo.REGIMES")
@@ -100,8 +119,9 @@ def main(argv=None):
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
-    ap.add_argument("--det-epochs", type=float, default=3.0,
-                    help="epochs of D_w for the 1/8 row")
+    ap.add_argument("--det-epochs", type=float, nargs="+", default=[3.0],
+                    help="epochs of D_w for the 1/8 row; several: one row each, the criteria "
+                         "use the best on validation")
     ap.add_argument("--ceiling-epochs", type=float, default=8.0,
                     help="epochs of the ceiling: passes over every boxed image (the CBIS "
                          "layout has no weak images, so the full protocol's D_w is empty); "
@@ -110,17 +130,35 @@ def main(argv=None):
     out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), out)
     a.out = out
-    floor_dir = os.path.join(out, "r" + a.ratio.replace("/", "_"), f"s{a.seed}")
+    ratio_dir = "r" + a.ratio.replace("/", "_")
     full_dir = os.path.join(out, "full", f"s{a.seed}")
-    os.makedirs(floor_dir, exist_ok=True)
-    print(f"##### {a.ratio} Faster R-CNN", flush=True)
-    floor_args = run_args(a, "partial", a.ratio, a.seed, floor_dir, ["faster_rcnn"])
-    floor = Pipeline(floor_args).run_all()
+    floors, floor_args = {}, None
+    for i, epochs in enumerate(a.det_epochs):
+        suffix = "" if i == 0 else f"_e{epochs:g}"
+        floor_dir = os.path.join(out, ratio_dir + suffix, f"s{a.seed}")
+        os.makedirs(floor_dir, exist_ok=True)
+        if floor_args is not None:
+            share_stage1(floor_args.out, floor_dir)
+        print(f"##### {a.ratio} Faster R-CNN, {epochs:g} epochs of D_w", flush=True)
+        args = run_args(argparse.Namespace(**dict(vars(a), det_epochs=epochs)), "partial",
+                        a.ratio, a.seed, floor_dir, ["faster_rcnn"])
+        summary = Pipeline(args).run_all()
+        iteration, val = export_selection(os.path.join(floor_dir, "faster_rcnn"))
+        floors[epochs] = {"test_ap20": ap20(summary), "val_ap20": val, "export_iter": iteration,
+                          "folder": floor_dir}
+        floor_args = floor_args or args
+    chosen = pick_floor(floors)
     print(f"##### full-label Faster R-CNN ({(time.time() - t0) / 60:.1f} min so far)", flush=True)
     ceiling = run_ceiling(floor_args, full_dir, a.ceiling_epochs)
-    result = dict(check(ap20(floor), ap20(ceiling, CEILING)), **record, seed=a.seed, ratio=a.ratio,
-                  classifier=floor["classifiers"], minutes=(time.time() - t0) / 60)
+    result = dict(check(floors[chosen]["test_ap20"], ap20(ceiling, CEILING)), **record,
+                  seed=a.seed, ratio=a.ratio, floors={f"{e:g}": f for e, f in floors.items()},
+                  floor_epochs=chosen, classifier=summary["classifiers"],
+                  minutes=(time.time() - t0) / 60)
     atomic_write_json(os.path.join(out, "criteria.json"), result, indent=1)
+    for epochs, f in floors.items():
+        print(f"  {a.ratio} Faster R-CNN, {epochs:g} epochs: validation {f['val_ap20']} "
+              f"(export iteration {f['export_iter']}), test {f['test_ap20']:.1f} AP@0.2"
+              f"{'  <- criteria' if epochs == chosen else ''}")
     print(f"\n{a.regime} {record['overrides'] or ''}: {a.ratio} Faster R-CNN "
           f"{result['floor_ap20']:.1f}, full-label {result['ceiling_ap20']:.1f} AP@0.2 "
           f"(gap {result['gap']:.1f})")
