@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--size", "128", "64"]
@@ -87,6 +88,16 @@ def test_benchmark_regime_criteria_and_settings(tmp_path, load_tool):
     assert make_regime("benchmark_a", sets, str(tmp_path)) == (root, record)
     with pytest.raises(SystemExit, match="holds another regime's data"):
         make_regime("benchmark_a", dict(sets, patients=3), str(tmp_path))
+
+    # several 1/8 schedules: the criteria use the export that validates best (RESULTS §18)
+    assert script.pick_floor({3.0: {"val_ap20": 40.0}, 6.0: {"val_ap20": 39.9}}) == 3.0
+    assert script.pick_floor({3.0: {"val_ap20": 40.0}, 6.0: {"val_ap20": 40.0}}) == 6.0
+    assert script.pick_floor({3.0: {"val_ap20": None}, 6.0: {"val_ap20": 1.0}}) == 6.0
+    stage = tmp_path / "faster_rcnn"
+    stage.mkdir()
+    torch.save({"model": {}, "selected": {"iteration": 7, "metric": "m", "value": 41.5}},
+               stage / "model_export.pth")
+    assert script.export_selection(str(stage)) == (7, 41.5)
 
 
 def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
