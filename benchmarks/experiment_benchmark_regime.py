@@ -9,7 +9,8 @@ precision / recall and oracle boxes) in <out>/truth.json, then runs ONLY the Fas
 through the pipeline with the demo configs: 1/8 (<out>/r1_8/s<seed>) and the full-label ceiling
 (``--protocol full``, <out>/full/s<seed>; pipeline/ceiling.py, stage 1 shared). No
 semi-supervised row: the regime is chosen before any is run (docs/RESULTS.md §10). Prints and
-writes <out>/criteria.json: ceiling − 1/8 ≥ 15 AP@0.2, ceiling ≤ 85, 1/8 in [35, 60].
+writes <out>/criteria.json: ceiling − 1/8 ≥ 15 AP@0.2, ceiling ≤ 85, 1/8 in [35, 60], per seed
+(``--seeds``) and on the seeds' means.
 ``--det-epochs 3 6`` trains the 1/8 row for each schedule (the first in r1_8/s<seed>, the others
 in r1_8_e<epochs>/s<seed>, stage 1 shared); the criteria use the one whose export has the
 highest validation AP@0.2 (RESULTS §18), never the test number.
@@ -21,6 +22,7 @@ import json
 import os
 import time
 
+import numpy as np
 from experiment_ratio_grid import run_args
 
 from braixdet.pipeline.ceiling import run_ceiling, share_stage1
@@ -112,10 +114,52 @@ def add_regime_arguments(ap):
     ap.add_argument("--out", required=True)
 
 
+def run_seed(a, seed, record):
+    """One seed's 1/8 rows (one per ``--det-epochs``) and ceiling; its criteria check."""
+    t0 = time.time()
+    ratio_dir = "r" + a.ratio.replace("/", "_")
+    floors, floor_args, summary = {}, None, None
+    for i, epochs in enumerate(a.det_epochs):
+        suffix = "" if i == 0 else f"_e{epochs:g}"
+        floor_dir = os.path.join(a.out, ratio_dir + suffix, f"s{seed}")
+        os.makedirs(floor_dir, exist_ok=True)
+        if floor_args is not None:
+            share_stage1(floor_args.out, floor_dir)
+        print(f"##### seed {seed}: {a.ratio} Faster R-CNN, {epochs:g} epochs of D_w", flush=True)
+        args = run_args(argparse.Namespace(**dict(vars(a), det_epochs=epochs)), "partial",
+                        a.ratio, seed, floor_dir, ["faster_rcnn"])
+        summary = Pipeline(args).run_all()
+        iteration, val = export_selection(os.path.join(floor_dir, "faster_rcnn"))
+        floors[epochs] = {"test_ap20": ap20(summary), "val_ap20": val, "export_iter": iteration,
+                          "folder": floor_dir}
+        floor_args = floor_args or args
+    chosen = pick_floor(floors)
+    print(f"##### seed {seed}: full-label Faster R-CNN", flush=True)
+    ceiling = run_ceiling(floor_args, os.path.join(a.out, "full", f"s{seed}"), a.ceiling_epochs)
+    result = dict(check(floors[chosen]["test_ap20"], ap20(ceiling, CEILING)), **record,
+                  seed=seed, ratio=a.ratio, floors={f"{e:g}": f for e, f in floors.items()},
+                  floor_epochs=chosen, classifier=summary["classifiers"],
+                  minutes=(time.time() - t0) / 60)
+    for epochs, f in floors.items():
+        print(f"  {a.ratio} Faster R-CNN, {epochs:g} epochs: validation {f['val_ap20']} "
+              f"(export iteration {f['export_iter']}), test {f['test_ap20']:.1f} AP@0.2"
+              f"{'  <- criteria' if epochs == chosen else ''}")
+    return result
+
+
+def report(name, result):
+    print(f"{name}: 1/8 Faster R-CNN {result['floor_ap20']:.1f}, full-label "
+          f"{result['ceiling_ap20']:.1f} AP@0.2 (gap {result['gap']:.1f})")
+    for check_name, ok in result["checks"].items():
+        print(f"  [{'x' if ok else ' '}] {check_name}")
+    print(f"  criteria {'met' if result['all_met'] else 'NOT met'}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_regime_arguments(ap)
-    ap.add_argument("--seed", type=int, default=0, help="protocol / training seed")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="protocol / training seeds; several: the criteria on their means too")
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
@@ -130,42 +174,18 @@ def main(argv=None):
     out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), out)
     a.out = out
-    ratio_dir = "r" + a.ratio.replace("/", "_")
-    full_dir = os.path.join(out, "full", f"s{a.seed}")
-    floors, floor_args = {}, None
-    for i, epochs in enumerate(a.det_epochs):
-        suffix = "" if i == 0 else f"_e{epochs:g}"
-        floor_dir = os.path.join(out, ratio_dir + suffix, f"s{a.seed}")
-        os.makedirs(floor_dir, exist_ok=True)
-        if floor_args is not None:
-            share_stage1(floor_args.out, floor_dir)
-        print(f"##### {a.ratio} Faster R-CNN, {epochs:g} epochs of D_w", flush=True)
-        args = run_args(argparse.Namespace(**dict(vars(a), det_epochs=epochs)), "partial",
-                        a.ratio, a.seed, floor_dir, ["faster_rcnn"])
-        summary = Pipeline(args).run_all()
-        iteration, val = export_selection(os.path.join(floor_dir, "faster_rcnn"))
-        floors[epochs] = {"test_ap20": ap20(summary), "val_ap20": val, "export_iter": iteration,
-                          "folder": floor_dir}
-        floor_args = floor_args or args
-    chosen = pick_floor(floors)
-    print(f"##### full-label Faster R-CNN ({(time.time() - t0) / 60:.1f} min so far)", flush=True)
-    ceiling = run_ceiling(floor_args, full_dir, a.ceiling_epochs)
-    result = dict(check(floors[chosen]["test_ap20"], ap20(ceiling, CEILING)), **record,
-                  seed=a.seed, ratio=a.ratio, floors={f"{e:g}": f for e, f in floors.items()},
-                  floor_epochs=chosen, classifier=summary["classifiers"],
-                  minutes=(time.time() - t0) / 60)
+    per_seed = {seed: run_seed(a, seed, record) for seed in a.seeds}
+    mean = check(*(float(np.mean([r[k] for r in per_seed.values()]))
+                   for k in ("floor_ap20", "ceiling_ap20")))
+    result = dict(record, ratio=a.ratio, seeds={str(s): r for s, r in per_seed.items()},
+                  mean=mean, minutes=(time.time() - t0) / 60)
     atomic_write_json(os.path.join(out, "criteria.json"), result, indent=1)
-    for epochs, f in floors.items():
-        print(f"  {a.ratio} Faster R-CNN, {epochs:g} epochs: validation {f['val_ap20']} "
-              f"(export iteration {f['export_iter']}), test {f['test_ap20']:.1f} AP@0.2"
-              f"{'  <- criteria' if epochs == chosen else ''}")
-    print(f"\n{a.regime} {record['overrides'] or ''}: {a.ratio} Faster R-CNN "
-          f"{result['floor_ap20']:.1f}, full-label {result['ceiling_ap20']:.1f} AP@0.2 "
-          f"(gap {result['gap']:.1f})")
-    for name, ok in result["checks"].items():
-        print(f"  [{'x' if ok else ' '}] {name}")
-    print(f"criteria {'met' if result['all_met'] else 'NOT met'}; "
-          f"{result['minutes']:.1f} min")
+    print(f"\n{a.regime} {record['overrides'] or ''}")
+    for seed, r in per_seed.items():
+        report(f"seed {seed}", r)
+    if len(per_seed) > 1:
+        report(f"mean of seeds {', '.join(map(str, per_seed))}", mean)
+    print(f"{result['minutes']:.1f} min")
 
 
 if __name__ == "__main__":
