@@ -141,7 +141,8 @@ def run_seed(a, seed, record):
                   floor_epochs=chosen, classifier=summary["classifiers"],
                   minutes=(time.time() - t0) / 60)
     for epochs, f in floors.items():
-        print(f"  {a.ratio} Faster R-CNN, {epochs:g} epochs: validation {f['val_ap20']} "
+        val = "none" if f["val_ap20"] is None else f"{f['val_ap20']:.1f}"
+        print(f"  {a.ratio} Faster R-CNN, {epochs:g} epochs: validation {val} "
               f"(export iteration {f['export_iter']}), test {f['test_ap20']:.1f} AP@0.2"
               f"{'  <- criteria' if epochs == chosen else ''}")
     return result
