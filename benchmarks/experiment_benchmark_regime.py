@@ -149,6 +149,7 @@ def run_seed(a, seed, record):
 
 
 def report(name, result):
+    """Prints one criteria check (a seed's or the seeds' means)."""
     print(f"{name}: 1/8 Faster R-CNN {result['floor_ap20']:.1f}, full-label "
           f"{result['ceiling_ap20']:.1f} AP@0.2 (gap {result['gap']:.1f})")
     for check_name, ok in result["checks"].items():
