@@ -25,11 +25,11 @@ import time
 import numpy as np
 from experiment_ratio_grid import run_args
 
+from braixdet.engine.hooks import read_export_selection
 from braixdet.pipeline.ceiling import run_ceiling, share_stage1
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import CEILING, row_metric
-from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.utils.io import atomic_write_json
 
 CRITERIA = {"gap_min": 15.0, "ceiling_max": 85.0, "floor_range": (35.0, 60.0)}
@@ -93,7 +93,7 @@ def ap20(summary, row=ROW):
 
 def export_selection(stage_dir):
     """(iteration, validation value) the best-model export of a detector stage was chosen at."""
-    selected = safe_torch_load(os.path.join(stage_dir, "model_export.pth"))["selected"]
+    selected = read_export_selection(os.path.join(stage_dir, "model_export.pth"))
     return selected["iteration"], selected["value"]
 
 

@@ -24,11 +24,11 @@ import time
 import numpy as np
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set
 
+from braixdet.engine.hooks import read_export_selection
 from braixdet.model_zoo import config_root
 from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
 from braixdet.pipeline.methods import METHODS, STAGE1
 from braixdet.pipeline.results import METRICS, _flat
-from braixdet.utils.checkpoint import safe_torch_load
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 COMPETITORS = ("unbiased_teacher", "stac", "soft_teacher")
@@ -67,7 +67,7 @@ def validation_value(run_dir, method):
     path = os.path.join(run_dir, method, "model_export.pth")
     if not os.path.exists(path):
         return float("nan")
-    value = safe_torch_load(path).get("selected", {}).get("value")
+    value = read_export_selection(path).get("value")
     return float("nan") if value is None else float(value)
 
 

@@ -23,6 +23,7 @@ import os
 from experiment_benchmark_regime import make_regime
 from experiment_ratio_grid import run_args
 
+from braixdet.engine.hooks import read_export_selection
 from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.results import read_cam_quality
 from braixdet.pipeline.stages import done_marker, read_json, run_stage
@@ -73,7 +74,7 @@ def learns(export):
 
 def export_iteration(stage_dir):
     """The iteration the trainer exported, as its export file records it (engine/hooks.py)."""
-    return safe_torch_load(os.path.join(stage_dir, "model_export.pth"))["selected"]["iteration"]
+    return read_export_selection(os.path.join(stage_dir, "model_export.pth"))["iteration"]
 
 
 def run_candidate(a, name):

@@ -29,7 +29,7 @@ import torch
 from detectron2.engine.hooks import LRScheduler as LRSchedulerHook
 from detectron2.engine.train_loop import HookBase
 
-from ..utils.checkpoint import atomic_torch_save
+from ..utils.checkpoint import atomic_torch_save, safe_torch_load
 
 __all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "check_finite_losses"]
 
@@ -289,3 +289,9 @@ class BestExportHook(HookBase):
         self.best = state_dict["best"]
         self.exported_iter = state_dict["exported_iter"]
         self.last_eval_iter = state_dict["last_eval_iter"]
+
+
+def read_export_selection(path):
+    """The ``selected`` record a ``BestExportHook`` saved beside the weights in ``path``:
+    {iteration, metric, value} (an empty dict for an export without one)."""
+    return safe_torch_load(path).get("selected", {})
