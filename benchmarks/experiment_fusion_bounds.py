@@ -124,7 +124,7 @@ def pseudo_quality(out, seeds, rows=DEFAULT_ROWS, ratio="1/8"):
     """{row: {seed: quality_of(...)}} over the seeds that ran the row; Mean Teacher's split at
     BRAIxDet's fusion phase of the same seed (its teacher without any fused box, for comparison)."""
     quality = {}
-    for key in [k for k in rows if k != "mean_teacher"] + ["mean_teacher"]:
+    for key in sorted(rows, key=lambda k: k == "mean_teacher"):  # BRAIxDet's phase first
         for seed in seeds:
             run_dir = os.path.join(out, f"s{seed}")
             if not os.path.exists(os.path.join(run_dir, key, "metrics.json")):
