@@ -68,7 +68,7 @@ def _opts(work, out, stage="braixdet", **kw):
 
 def _ssl_opts(work, out, **kw):
     return _opts(work, out, "braixdet", cam_json=work.cam, cam_iters=CAM_ITERS,
-                 extra=["TEST.BRAIXDET.EVAL_STUDENT", "False"], **kw)
+                 extra=["TEST.BRAIXDET.EVAL_STUDENT", "False", *kw.pop("extra", ())], **kw)
 
 
 def _last_checkpoint(out):
@@ -251,7 +251,8 @@ def test_two_process_cpu_training_identical_teachers(work):
     # evaluation ran on both ranks, gathered on rank 0 which alone wrote the metrics
     res0 = json.loads((res_dir / "results_rank0.json").read_text())
     assert "AP20" in res0["cbis_ddsm_test"]["bbox"], res0  # (validation, test) evaluated
-    assert all(not v for v in json.loads((res_dir / "results_rank1.json").read_text()).values())
+    # ... and shared with rank 1, whose hooks read the same metrics
+    assert json.loads((res_dir / "results_rank1.json").read_text()) == res0
     metrics = out / "inference" / "model" / "cbis_ddsm_test" / "metrics.json"
     n_test = json.loads(metrics.read_text())["num_images"]
     assert n_test == len(DatasetCatalog.get("cbis_ddsm_test")) > 1
@@ -260,6 +261,63 @@ def test_two_process_cpu_training_identical_teachers(work):
     assert (out / "model_final.pth").is_file()
     final = load_ckpt(out / "model_final.pth")
     assert_state_equal(final["teacher"], ranks[0]["teacher"], "checkpointed teacher")
+
+
+
+VALIDATED_LAUNCHER = """
+import json, os, sys
+import torch
+from braixdet.pipeline import train_net
+from detectron2.engine import default_argument_parser, launch
+from detectron2.utils import comm
+from braixdet.engine import trainer_class
+from braixdet.ssl.ema import unwrap
+
+
+def main(args, out):
+    cfg = train_net.setup(args)
+    trainer = trainer_class(cfg)(cfg)
+    trainer.resume_or_load(resume=False)
+    trainer.train()
+    torch.save({"student": unwrap(trainer.model).state_dict(),
+                "lrs": [g["lr"] for g in trainer.optimizer.param_groups],
+                "reductions": trainer.plateau.num_reductions,
+                "exported": trainer.best_export.exported_iter,
+                "last_eval": trainer.best_export.last_eval_iter},
+               os.path.join(out, "rank%d.pth" % comm.get_rank()))
+
+
+if __name__ == "__main__":
+    out = sys.argv.pop(1)
+    args = default_argument_parser().parse_args()
+    launch(main, args.num_gpus, dist_url=args.dist_url, args=(args, out))
+"""
+
+
+def test_two_process_training_with_validation_decides_alike_on_every_rank(work):
+    """Multi-GPU training with periodic validation: the evaluation is gathered on rank 0, yet
+    ReduceLROnPlateau and the best export must decide the same on every rank (an lr cut on one
+    rank alone makes the replicas drift apart), and the export's evaluation after training must
+    run on every rank or on none (a collective on one rank alone never returns)."""
+    script = work.dir / "launch_validated.py"
+    script.write_text(textwrap.dedent(VALIDATED_LAUNCHER))
+    res_dir = work.dir / "ddp_validated_ranks"
+    res_dir.mkdir()
+    out = work.dir / "ddp_validated"
+    # patience 0: every evaluation that is not a new best cuts the lr
+    opts = _ssl_opts(work, out, max_iter=6, eval_period=2,
+                     extra=["SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0"])
+    cmd = train_net_cmd("braixdet", opts, "--num-gpus", "2", "--dist-url", "auto")
+    cmd[1:2] = [str(script), str(res_dir)]
+    run_checked(cmd, timeout=300)
+
+    ranks = [torch.load(res_dir / f"rank{r}.pth", weights_only=True) for r in (0, 1)]
+    # the cases this test is for: an lr cut, and an export that is not the last evaluation
+    assert ranks[0]["reductions"] >= 1 and ranks[0]["exported"] != ranks[0]["last_eval"]
+    assert [r["reductions"] for r in ranks] == [ranks[0]["reductions"]] * 2
+    assert ranks[0]["lrs"] == ranks[1]["lrs"]
+    assert [r["exported"] for r in ranks] == [ranks[0]["exported"]] * 2
+    assert_state_equal(ranks[0]["student"], ranks[1]["student"], "student rank0 vs rank1")
 
 
 # ------------------------------------------------------------------------------ crafted pickle

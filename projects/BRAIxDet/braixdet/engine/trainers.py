@@ -454,7 +454,8 @@ class BRAIxTrainerBase(DefaultTrainer):
         return self.cfg.DATASETS.TEST[:1]
 
     def _test_and_save_results(self):
-        self._last_eval_results = self.test(self.cfg, self.model, datasets=self.eval_datasets())
+        self._last_eval_results = shared_with_every_rank(
+            self.test(self.cfg, self.model, datasets=self.eval_datasets()))
         return self._last_eval_results
 
     def train(self):
@@ -474,6 +475,7 @@ class BRAIxTrainerBase(DefaultTrainer):
         datasets = self.export_eval_datasets() if validation_metric(self.cfg) else []
         if not datasets or hook.exported_iter in (None, hook.last_eval_iter):
             return
+        comm.synchronize()  # the main process wrote the export; every rank reads it
         model = build_model(inference_cfg(self.cfg, hook.path))
         model.load_state_dict(safe_torch_load(hook.path)["model"])
         logger.info("Metrics of the exported model (iteration %d):", hook.exported_iter)
@@ -499,6 +501,15 @@ class BRAIxTrainerBase(DefaultTrainer):
             results = {prefix.rstrip("/"): results}
         return results
 
+
+def shared_with_every_rank(results):
+    """Evaluation results as the main process has them, on every rank. The evaluators gather
+    on the main process and return {} elsewhere, but the hooks that read the validation metric
+    (ReduceLROnPlateau, the best export) must decide alike on every rank: an lr cut on one
+    rank alone lets the replicas drift apart."""
+    if comm.get_world_size() == 1:
+        return results
+    return comm.all_gather(results)[0]
 
 class MVCCLTrainer(BRAIxTrainerBase):
     """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, ReduceLROnPlateau on validation BCE; the
@@ -598,8 +609,8 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
         # evaluating the student ends in its train(), which resets the BN modes
         self.model.train()
         apply_bn_mode(self.model, self.teacher, self.cfg.SSL.BN_MODE)
-        self._last_eval_results = results
-        return results
+        self._last_eval_results = shared_with_every_rank(results)
+        return self._last_eval_results
 
 
 def trainer_class(cfg):
