@@ -89,6 +89,7 @@ def test_plateau_and_best_export_follow_validation(work):
     key = f"{val}/bbox/AP20"
     log = MetricLog(key)
     t.register_hooks([log])
+    scored = record_scored_datasets(t)
     t.train()
     assert t.plateau.resolved_key == key and t.plateau.mode == "max"
     history = [log.values[it] for it in sorted(log.values)]
@@ -102,9 +103,13 @@ def test_plateau_and_best_export_follow_validation(work):
     assert t.plateau.num_reductions == bad - (history[-1] <= max(history[:-1]))
     if bad:
         assert min(log.lrs) < max(log.lrs)
-    # the test set is evaluated once, at the end: model selection never sees it
-    assert not any(k.startswith("cbis_ddsm_test/") for k in t.storage.histories()
-                   if len(t.storage.history(k).values()) > 1)
+    # the test set is scored once, on the export: model selection never sees it
+    assert scored.count("cbis_ddsm_test") == 1 and scored[-1] == "cbis_ddsm_test"
+    assert scored.count(val) == len(history)
+    assert not any(k.startswith("cbis_ddsm_test/") for k in t.storage.histories())
+    assert t._last_eval_results["cbis_ddsm_test"]["bbox"]["AP20"] == pytest.approx(
+        json.loads((out / "inference" / "model" / "cbis_ddsm_test" / "metrics.json")
+                   .read_text())["bbox"]["AP20"], nan_ok=True)
     # the test metrics on disk are those of the exported model
     from detectron2.modeling import build_model
 
@@ -120,6 +125,32 @@ def test_plateau_and_best_export_follow_validation(work):
                                                    nan_ok=True, abs=1e-9)
 
 
+def record_scored_datasets(trainer):
+    """The datasets ``trainer`` scores, in order (every call of its ``test``)."""
+    scored, test = [], trainer.test
+
+    def recording(cfg, model, evaluators=None, prefix="", datasets=None):
+        scored.extend(datasets or cfg.DATASETS.TEST)
+        return test(cfg, model, evaluators, prefix, datasets)
+    trainer.test = recording
+    return scored
+
+
+def test_export_at_the_final_evaluation_scores_the_test_set_once(work):
+    """When the export is the final evaluation's model (here the only evaluation), the test
+    set is still scored once, after the validation set, and its metrics are on disk."""
+    out = work.dir / "export_last"
+    opts = tiny_opts(work.root, out, work.cache, stage="faster_rcnn", max_iter=3,
+                     eval_period=100, extra=["DATASETS.BRAIXDET.PROTOCOL", "full"])
+    t = build_trainer("faster_rcnn", opts)
+    scored = record_scored_datasets(t)
+    t.train()
+    val, test = t.cfg.DATASETS.TEST
+    assert t.best_export.exported_iter == t.best_export.last_eval_iter
+    assert scored == [val, test]
+    assert (out / "inference" / "model" / test / "metrics.json").is_file()
+
+
 def test_stage1_metrics_on_disk_are_the_exported_classifiers(work):
     """Stage 1 exports its best validation BCE (what stage 2 starts from): the validation and
     test metrics it leaves on disk (the pipeline's classifier table) are that model's, not the
@@ -132,10 +163,13 @@ def test_stage1_metrics_on_disk_are_the_exported_classifiers(work):
     out = work.dir / "stage1_export"
     t = build_trainer("mvccl", tiny_opts(work.root, out, work.cache, stage="mvccl", max_iter=8,
                                          eval_period=2, extra=["SOLVER.BASE_LR", "0.05"]))
+    scored = record_scored_datasets(t)
     t.train()
     hook = t.best_export
     assert hook.exported_iter != hook.last_eval_iter  # the case the re-evaluation is for
     assert len(t.cfg.DATASETS.TEST) == 2
+    val, test = t.cfg.DATASETS.TEST
+    assert scored[-2:] == [val, test] and scored.count(test) == 1  # the export's, only
     on_disk = {name: json.loads((out / "inference" / "model" / name /
                                  "classification_metrics.json").read_text())["classification"]
                for name in t.cfg.DATASETS.TEST}  # read before test() below writes there again

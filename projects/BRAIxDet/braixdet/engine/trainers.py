@@ -446,10 +446,10 @@ class BRAIxTrainerBase(DefaultTrainer):
                 loader.start_iter = self.start_iter
 
     def eval_datasets(self):
-        """During training only the validation set (model selection must not see the test
-        set, and it saves time); every DATASETS.TEST set at the final evaluation."""
-        final = self.iter + 1 >= self.max_iter
-        if final or validation_metric(self.cfg) is None:
+        """The validation set alone when there is one: model selection must not see the test
+        set, which is scored once, on the exported model (_evaluate_export); every
+        DATASETS.TEST set otherwise."""
+        if validation_metric(self.cfg) is None:
             return None
         return self.cfg.DATASETS.TEST[:1]
 
@@ -469,17 +469,23 @@ class BRAIxTrainerBase(DefaultTrainer):
         return list(self.cfg.DATASETS.TEST)[1:]
 
     def _evaluate_export(self):
-        """When the exported model is not the last one evaluated, evaluate it again so that
-        the reported metrics are those of the model users deploy and stage 2 starts from."""
+        """Score the exported model, the one users deploy and stage 2 starts from, on
+        export_eval_datasets(), less what the final evaluation already scored when the export
+        is that evaluation's model."""
         hook = self.best_export
-        datasets = self.export_eval_datasets() if validation_metric(self.cfg) else []
-        if not datasets or hook.exported_iter in (None, hook.last_eval_iter):
+        if validation_metric(self.cfg) is None or hook.exported_iter is None:
+            return
+        scored = self.eval_datasets() if hook.exported_iter == hook.last_eval_iter else []
+        datasets = [d for d in self.export_eval_datasets() if d not in scored]
+        if not datasets:
             return
         comm.synchronize()  # the main process wrote the export; every rank reads it
         model = build_model(inference_cfg(self.cfg, hook.path))
         model.load_state_dict(safe_torch_load(hook.path)["model"])
         logger.info("Metrics of the exported model (iteration %d):", hook.exported_iter)
-        self.test(self.cfg, model.eval(), datasets=datasets)
+        results = shared_with_every_rank(self.test(self.cfg, model.eval(), datasets=datasets))
+        final = getattr(self, "_last_eval_results", None) or {}
+        self._last_eval_results = {**final, **results}
 
     @classmethod
     def test(cls, cfg, model, evaluators=None, prefix="", datasets=None):
