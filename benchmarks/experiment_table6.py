@@ -22,13 +22,21 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from experiment_benchmark_regime import add_regime_arguments, make_regime, parse_sets
+import numpy as np
+from experiment_benchmark_regime import (
+    ROW,
+    add_regime_arguments,
+    ap20,
+    check,
+    make_regime,
+    parse_sets,
+)
 from experiment_ratio_grid import run_args
 
 from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
 from braixdet.pipeline.launcher import add_launcher_arguments, launch
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
-from braixdet.pipeline.results import paired_tables, paper_table
+from braixdet.pipeline.results import CEILING, paired_tables, paper_table
 from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -42,6 +50,22 @@ def pipeline_args(a):
     args.stage1_opts += a.stage1_opts
     args.det_opts += a.det_opts
     return args
+
+
+def regime_criteria(per_seed):
+    """§10's criteria of a regime (experiment_benchmark_regime.check) on the seeds' mean 1/8
+    Faster R-CNN and ceiling rows, when the table has both; else None."""
+    if not all(ROW in s["results"] and CEILING in s["results"] for s in per_seed):
+        return None
+    floor, ceiling = (float(np.mean([ap20(s, row) for s in per_seed])) for row in (ROW, CEILING))
+    return check(floor, ceiling)
+
+
+def criteria_text(result):
+    marks = ", ".join(f"[{'x' if ok else ' '}] {name}" for name, ok in result["checks"].items())
+    return (f"Regime criteria (RESULTS §10) on the seeds' means: 1/8 Faster R-CNN "
+            f"{result['floor_ap20']:.1f}, ceiling {result['ceiling_ap20']:.1f} AP@0.2, gap "
+            f"{result['gap']:.1f}: {marks}; {'met' if result['all_met'] else 'NOT met'}.")
 
 
 def ceiling_when_ready(args, epochs, stop):
@@ -100,13 +124,16 @@ def main(argv=None):
         add_ceiling(seed_args(args, seed, a.run_dir), summary, a.ceiling_epochs)
     rows_md, rows = paper_table(per_seed)
     effects_md, effects = paired_tables(per_seed)
+    criteria = regime_criteria(per_seed)
     minutes = (time.time() - t0) / 60
     text = (f"Regime {a.regime} {record['overrides'] or ''}; ratio {a.ratio}; seeds {a.seeds}; "
-            f"mean ± std (ddof=1); {minutes:.1f} min.\n\n{rows_md}\n\n{effects_md}\n")
+            f"mean ± std (ddof=1); {minutes:.1f} min.\n\n{rows_md}\n\n{effects_md}\n"
+            + (f"\n{criteria_text(criteria)}\n" if criteria else ""))
     atomic_write_text(os.path.join(a.out, "table6.md"), text)
     atomic_write_json(os.path.join(a.out, "table6.json"),
                       {"regime": record, "seeds": a.seeds, "ratio": a.ratio, "rows": rows,
                        "effects": effects, "per_seed": [s["results"] for s in per_seed],
+                       "criteria": criteria,
                        "minutes": round(minutes, 1)}, indent=1)
     print("\n" + text)
 

@@ -278,6 +278,14 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     parallel = json.loads((tmp_path / "table6.json").read_text())["rows"]
     assert [r["method"] for r in parallel["rows"]] == [
         "Faster R-CNN", "Faster R-CNN, full labels (ceiling)"]
+    # the regime's criteria on the two rows (experiment_benchmark_regime's check)
+    regime = load_tool("experiment_benchmark_regime", folder="benchmarks")
+    table = json.loads((tmp_path / "table6.json").read_text())
+    floor, ceiling = (json.loads((run / d / "inference/model/cbis_ddsm_test/metrics.json")
+                                 .read_text())["bbox"]["AP20"]
+                      for d in ("faster_rcnn", "ceiling/faster_rcnn"))
+    assert table["criteria"] == regime.check(floor, ceiling)
+    assert "Regime criteria" in (tmp_path / "table6.md").read_text()
     script.main(argv)
     assert {p: p.read_bytes() for p in sorted(run.glob("**/stage_done.json"))} == markers
     serial = json.loads((tmp_path / "table6.json").read_text())["rows"]
