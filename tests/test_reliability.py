@@ -277,7 +277,6 @@ def test_two_process_cpu_training_identical_teachers(work):
     assert_state_equal(final["teacher"], ranks[0]["teacher"], "checkpointed teacher")
 
 
-
 # ------------------------------------------------------------------------------ crafted pickle
 def test_crafted_checkpoint_is_refused(work):
     d = work.dir / "evil"

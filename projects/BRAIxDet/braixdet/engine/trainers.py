@@ -517,6 +517,7 @@ def shared_with_every_rank(results):
         return results
     return comm.all_gather(results)[0]
 
+
 class MVCCLTrainer(BRAIxTrainerBase):
     """Stage 1: BRAIxMVCCL classifier on D_w ∪ D̃_s, ReduceLROnPlateau on validation BCE; the
     best classifier on validation is exported (``model_export.pth``) for stage 2, and its
