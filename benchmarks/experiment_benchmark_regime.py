@@ -87,6 +87,11 @@ def check(floor, ceiling):
             "checks": checks, "all_met": all(checks.values())}
 
 
+def check_means(floors, ceilings):
+    """The criteria on the means over seeds of the 1/8 rows and of the ceilings."""
+    return check(float(np.mean(floors)), float(np.mean(ceilings)))
+
+
 def ap20(summary, row=ROW):
     return row_metric(summary["results"][row])
 
@@ -148,13 +153,18 @@ def run_seed(a, seed, record):
     return result
 
 
+def criteria_text(name, result):
+    """One criteria check (a seed's or the seeds' means) as lines of text."""
+    lines = [f"{name}: 1/8 Faster R-CNN {result['floor_ap20']:.1f}, full-label "
+             f"{result['ceiling_ap20']:.1f} AP@0.2 (gap {result['gap']:.1f})"]
+    lines += [f"  [{'x' if ok else ' '}] {check_name}"
+              for check_name, ok in result["checks"].items()]
+    lines.append(f"  criteria {'met' if result['all_met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
 def report(name, result):
-    """Prints one criteria check (a seed's or the seeds' means)."""
-    print(f"{name}: 1/8 Faster R-CNN {result['floor_ap20']:.1f}, full-label "
-          f"{result['ceiling_ap20']:.1f} AP@0.2 (gap {result['gap']:.1f})")
-    for check_name, ok in result["checks"].items():
-        print(f"  [{'x' if ok else ' '}] {check_name}")
-    print(f"  criteria {'met' if result['all_met'] else 'NOT met'}")
+    print(criteria_text(name, result))
 
 
 def main(argv=None):
@@ -177,8 +187,7 @@ def main(argv=None):
     a.root, record = make_regime(a.regime, parse_sets(a.set), out)
     a.out = out
     per_seed = {seed: run_seed(a, seed, record) for seed in a.seeds}
-    mean = check(*(float(np.mean([r[k] for r in per_seed.values()]))
-                   for k in ("floor_ap20", "ceiling_ap20")))
+    mean = check_means(*([r[k] for r in per_seed.values()] for k in ("floor_ap20", "ceiling_ap20")))
     result = dict(record, ratio=a.ratio, seeds={str(s): r for s, r in per_seed.items()},
                   mean=mean, minutes=(time.time() - t0) / 60)
     atomic_write_json(os.path.join(out, "criteria.json"), result, indent=1)

@@ -22,12 +22,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 from experiment_benchmark_regime import (
     ROW,
     add_regime_arguments,
     ap20,
-    check,
+    check_means,
+    criteria_text,
     make_regime,
     parse_sets,
 )
@@ -41,6 +41,7 @@ from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 ROWS = [*DEFAULT_METHODS, "stac", "unbiased_teacher", "soft_teacher"]
+CRITERIA_NAME = "Regime criteria (RESULTS §10) on the seeds' means"
 
 
 def pipeline_args(a):
@@ -53,19 +54,11 @@ def pipeline_args(a):
 
 
 def regime_criteria(per_seed):
-    """§10's criteria of a regime (experiment_benchmark_regime.check) on the seeds' mean 1/8
-    Faster R-CNN and ceiling rows, when the table has both; else None."""
+    """§10's criteria of a regime (experiment_benchmark_regime) on the seeds' mean 1/8 Faster
+    R-CNN and ceiling rows, when the table has both; else None."""
     if not all(ROW in s["results"] and CEILING in s["results"] for s in per_seed):
         return None
-    floor, ceiling = (float(np.mean([ap20(s, row) for s in per_seed])) for row in (ROW, CEILING))
-    return check(floor, ceiling)
-
-
-def criteria_text(result):
-    marks = ", ".join(f"[{'x' if ok else ' '}] {name}" for name, ok in result["checks"].items())
-    return (f"Regime criteria (RESULTS §10) on the seeds' means: 1/8 Faster R-CNN "
-            f"{result['floor_ap20']:.1f}, ceiling {result['ceiling_ap20']:.1f} AP@0.2, gap "
-            f"{result['gap']:.1f}: {marks}; {'met' if result['all_met'] else 'NOT met'}.")
+    return check_means(*([ap20(s, row) for s in per_seed] for row in (ROW, CEILING)))
 
 
 def ceiling_when_ready(args, epochs, stop):
@@ -128,7 +121,7 @@ def main(argv=None):
     minutes = (time.time() - t0) / 60
     text = (f"Regime {a.regime} {record['overrides'] or ''}; ratio {a.ratio}; seeds {a.seeds}; "
             f"mean ± std (ddof=1); {minutes:.1f} min.\n\n{rows_md}\n\n{effects_md}\n"
-            + (f"\n{criteria_text(criteria)}\n" if criteria else ""))
+            + (f"\n```\n{criteria_text(CRITERIA_NAME, criteria)}\n```\n" if criteria else ""))
     atomic_write_text(os.path.join(a.out, "table6.md"), text)
     atomic_write_json(os.path.join(a.out, "table6.json"),
                       {"regime": record, "seeds": a.seeds, "ratio": a.ratio, "rows": rows,
