@@ -329,3 +329,45 @@ def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_to
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
     assert exit_.value.code == 0 and "--seeds" in capsys.readouterr().out
+
+
+def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_path, capsys,
+                                                                           load_tool):
+    """plot_validation_curves.py on metrics.json files written by detectron2's JSONWriter, as
+    training writes them: the validation key only (not the test set's, not a training scalar),
+    the first best evaluation (max for AP, min for a loss), a torn last line skipped."""
+    import cv2
+    from detectron2.utils.events import EventStorage, JSONWriter
+
+    def write_run(folder, values, key):
+        folder.mkdir()
+        writer = JSONWriter(str(folder / "metrics.json"))
+        with EventStorage(0) as storage:
+            for k, v in enumerate(values):
+                storage.iter = 100 * (k + 1) - 1
+                storage.put_scalars(**{f"cbis_ddsm_val_s0/{key}": v,
+                                       f"cbis_ddsm_test/{key}": 99.0 - v, "total_loss": 0.5},
+                                    smoothing_hint=False)
+                writer.write()
+        writer.close()
+        with open(folder / "metrics.json", "a") as f:
+            f.write('{"iteration": 999, "cbis_ddsm_val_s0/')  # a run killed mid-write
+
+    script = load_tool("plot_validation_curves", folder="benchmarks")
+    write_run(tmp_path / "floor", [65.0, 65.1, 62.9, 65.1], "bbox/AP20")
+    write_run(tmp_path / "ceiling", [61.6, 79.3, 77.7], "bbox/AP20")
+    write_run(tmp_path / "classifier", [0.63, 0.56, 0.62], "classification/BCE")
+    out = tmp_path / "curves.png"
+    script.main([f"floor={tmp_path / 'floor'}", f"ceiling={tmp_path / 'ceiling/metrics.json'}",
+                 "--out", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "floor: best bbox/AP20 65.1 at evaluation 2 of 4 (iteration 199)"
+    assert lines[1] == "ceiling: best bbox/AP20 79.3 at evaluation 2 of 3 (iteration 199)"
+    image = cv2.imread(str(out))
+    assert image is not None and image.shape[0] > 100 and image.std() > 0
+    script.main([f"stage 1={tmp_path / 'classifier'}", "--metric", "classification/BCE",
+                 "--mode", "min", "--out", str(tmp_path / "bce.png")])
+    assert capsys.readouterr().out.startswith(
+        "stage 1: best classification/BCE 0.56 at evaluation 2 of 3 (iteration 199)")
+    with pytest.raises(SystemExit, match="expected one '_val' dataset with bbox/AP20, found none"):
+        script.main([f"stage 1={tmp_path / 'classifier'}", "--out", str(tmp_path / "x.png")])

@@ -13,13 +13,14 @@ is read for these scalars only, never for training. ``read_quality_curves`` and
 ``plot_quality_curves`` turn a run's metrics.json into the plot.
 """
 import collections
-import json
 import math
 import textwrap
 from typing import Dict
 
 import torch
 from torchvision.ops import box_iou
+
+from ..utils.metrics_log import iter_records
 
 __all__ = ["SOURCES", "WINDOW", "match_counts", "QualityWindow", "read_quality_curves",
            "plot_quality_curves"]
@@ -69,18 +70,13 @@ def read_quality_curves(metrics_json) -> Dict[str, Dict[str, list]]:
     """source -> {"precision": [(iteration, value)], "recall": [...]} from a detectron2
     metrics.json (one JSON record per line; a torn last line is ignored)."""
     curves = collections.defaultdict(lambda: {"precision": [], "recall": []})
-    with open(metrics_json) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+    for rec in iter_records(metrics_json):
+        for key, value in rec.items():
+            if not key.startswith(PREFIX) or not isinstance(value, (int, float)) \
+                    or math.isnan(value):
                 continue
-            for key, value in rec.items():
-                if not key.startswith(PREFIX) or not isinstance(value, (int, float)) \
-                        or math.isnan(value):
-                    continue
-                source, _, metric = key[len(PREFIX):].rpartition("_")
-                curves[source][metric].append((int(rec["iteration"]), float(value)))
+            source, _, metric = key[len(PREFIX):].rpartition("_")
+            curves[source][metric].append((int(rec["iteration"]), float(value)))
     return {s: {m: sorted(v) for m, v in c.items()} for s, c in curves.items()}
 
 
