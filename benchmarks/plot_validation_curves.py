@@ -19,6 +19,8 @@ def read_run(path, metric, dataset):
     """[(iteration, value)] of the one key ``<dataset...>/<metric>`` in the run's metrics.json."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path}: no such file (a run folder holds metrics.json)")
     curves = {k: v for k, v in metric_curves(path, "/" + metric).items()
               if dataset in k.split("/")[0]}
     if len(curves) != 1:

@@ -371,3 +371,5 @@ def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_p
         "stage 1: best classification/BCE 0.56 at evaluation 2 of 3 (iteration 199)")
     with pytest.raises(SystemExit, match="expected one '_val' dataset with bbox/AP20, found none"):
         script.main([f"stage 1={tmp_path / 'classifier'}", "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit, match="nowhere: no such file"):
+        script.main([f"x={tmp_path / 'nowhere'}", "--out", str(tmp_path / "x.png")])
