@@ -15,6 +15,9 @@ MODEL.DEVICE cuda DATALOADER.NUM_WORKERS 4`` (RESULTS §11: stage 1 learns there
 of `make bench`. ``--parallel``: every stage whose inputs are ready runs at once as a local job
 (pipeline/launcher.py, as run_experiments.py --launcher local) and each seed's ceiling as soon
 as its single-view classifier is done: for one large GPU, which one run leaves mostly idle.
+``--no-ceiling`` leaves the ceilings out, so that the rows of a seed can be split across runs
+(time-limited GPU leases, moving the done stages' folders to the same path): each run trains
+only what is not done, and a last run without it adds the ceilings.
 """
 import argparse
 import os
@@ -80,7 +83,7 @@ def run_parallel(args, seeds, run_dir, ceiling_epochs):
     stop = threading.Event()
     with ThreadPoolExecutor(len(seeds)) as pool:
         ceilings = [pool.submit(ceiling_when_ready, seed_args(args, s, run_dir), ceiling_epochs,
-                                stop) for s in seeds]
+                                stop) for s in seeds if ceiling_epochs]
         try:
             launch(grid, seeds, run_dir)
         finally:
@@ -104,17 +107,24 @@ def main(argv=None):
     ap.add_argument("--opts", nargs="*", default=[], help="overrides for every stage")
     ap.add_argument("--stage1-opts", nargs="*", default=[], help="overrides for stage 1")
     ap.add_argument("--det-opts", nargs="*", default=[], help="overrides for the detectors")
+    ap.add_argument("--no-ceiling", action="store_true",
+                    help="leave the full-label ceiling out (a later run with it trains only it: "
+                         "done stages are skipped), e.g. to split a seed across GPU leases")
     ap.add_argument("--parallel", action="store_true",
                     help="every ready stage at once as a local job, the ceilings beside them")
     a = ap.parse_args(argv)
+    if a.ceiling_epochs <= 0:
+        ap.error("--ceiling-epochs must be > 0 (--no-ceiling leaves the ceiling out)")
     a.out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), a.out)
     a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
     args = pipeline_args(a)
-    per_seed = run_parallel(args, a.seeds, a.run_dir, a.ceiling_epochs) if a.parallel else \
+    ceiling_epochs = 0 if a.no_ceiling else a.ceiling_epochs
+    per_seed = run_parallel(args, a.seeds, a.run_dir, ceiling_epochs) if a.parallel else \
         run_seeds(args, a.seeds, a.run_dir)
     for seed, summary in zip(a.seeds, per_seed):
-        add_ceiling(seed_args(args, seed, a.run_dir), summary, a.ceiling_epochs)
+        if ceiling_epochs:
+            add_ceiling(seed_args(args, seed, a.run_dir), summary, ceiling_epochs)
     rows_md, rows = paper_table(per_seed)
     effects_md, effects = paired_tables(per_seed)
     criteria = regime_criteria(per_seed)

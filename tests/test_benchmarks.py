@@ -256,6 +256,7 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     train; the serial path then finds every stage done, trains nothing, and writes the same
     rows."""
     import json
+    import shutil
 
     script = load_tool("experiment_table6", folder="benchmarks")
     argv = ["--regime", "benchmark_a", "--set", "patients=24", "image_size=(256,128)", "--out",
@@ -290,6 +291,15 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     assert {p: p.read_bytes() for p in sorted(run.glob("**/stage_done.json"))} == markers
     serial = json.loads((tmp_path / "table6.json").read_text())["rows"]
     assert json.dumps(serial) == json.dumps(parallel)  # as text: one seed's std is NaN
+    # --no-ceiling: the rows alone, from the done stages, without the ceiling's row or criteria
+    shutil.rmtree(run / "ceiling")
+    script.main([*argv, "--no-ceiling", "--parallel"])
+    rows_only = json.loads((tmp_path / "table6.json").read_text())
+    assert not (run / "ceiling").exists() and rows_only["criteria"] is None
+    assert json.dumps(rows_only["rows"]["rows"]) == json.dumps(parallel["rows"][:1])
+    with pytest.raises(SystemExit):
+        script.main([*argv, "--ceiling-epochs", "0"])
+    assert "--no-ceiling leaves the ceiling out" in capsys.readouterr().err
 
 
 def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):
