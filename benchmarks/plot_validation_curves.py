@@ -12,6 +12,7 @@ Prints each run's best evaluation. Not part of `make bench` (it needs trained ru
 import argparse
 import os
 
+from braixdet.config.schedule import metric_mode
 from braixdet.utils.metrics_log import metric_curves
 
 
@@ -62,22 +63,21 @@ def main(argv=None):
     ap.add_argument("runs", nargs="+", help="LABEL=PATH (a run folder or its metrics.json)")
     ap.add_argument("--metric", default="bbox/AP20", help="the metric's key after the dataset")
     ap.add_argument("--dataset", default="_val", help="text in the validation dataset's name")
-    ap.add_argument("--mode", choices=("max", "min"), default="max",
-                    help="which value is best (min for a loss such as classification/BCE)")
     ap.add_argument("--title", default="validation over training")
     ap.add_argument("--out", required=True, help="PNG path")
     args = ap.parse_args(argv)
+    mode = metric_mode(args.metric)  # as the export rule compares it (min for a BCE or loss)
     runs = []
     for spec in args.runs:
         label, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"error: expected LABEL=PATH, got {spec!r}")
         points = read_run(path, args.metric, args.dataset)
-        k, (iteration, value) = best(points, args.mode)
+        k, (iteration, value) = best(points, mode)
         print(f"{label}: best {args.metric} {value:.4g} at evaluation {k + 1} of {len(points)} "
               f"(iteration {iteration})")
         runs.append((label, points))
-    plot(runs, args.out, args.metric, args.mode, args.title)
+    plot(runs, args.out, args.metric, mode, args.title)
     print(f"-> {args.out}")
 
 

@@ -345,7 +345,8 @@ def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_p
                                                                            load_tool):
     """plot_validation_curves.py on metrics.json files written by detectron2's JSONWriter, as
     training writes them: the validation key only (not the test set's, not a training scalar),
-    the first best evaluation (max for AP, min for a loss), a torn last line skipped."""
+    the first best evaluation (max for AP, min for a BCE, as the export rule), a torn last line
+    skipped."""
     import cv2
     from detectron2.utils.events import EventStorage, JSONWriter
 
@@ -376,7 +377,7 @@ def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_p
     image = cv2.imread(str(out))
     assert image is not None and image.shape[0] > 100 and image.std() > 0
     script.main([f"stage 1={tmp_path / 'classifier'}", "--metric", "classification/BCE",
-                 "--mode", "min", "--out", str(tmp_path / "bce.png")])
+                 "--out", str(tmp_path / "bce.png")])
     assert capsys.readouterr().out.startswith(
         "stage 1: best classification/BCE 0.56 at evaluation 2 of 3 (iteration 199)")
     with pytest.raises(SystemExit, match="expected one '_val' dataset with bbox/AP20, found none"):

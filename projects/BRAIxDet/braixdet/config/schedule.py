@@ -28,7 +28,7 @@ from detectron2.engine import DefaultTrainer
 from detectron2.utils import comm
 
 __all__ = ["num_images", "has_weak_images", "iterations_per_epoch", "resolve_schedule",
-           "validation_metric", "ValidationMetric"]
+           "validation_metric", "ValidationMetric", "metric_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,13 @@ class ValidationMetric:
 _LOWER_IS_BETTER = ("bce", "loss")
 
 
+def metric_mode(metric):
+    """"min" for a metric to minimise (its last name part contains "bce" or "loss"), else
+    "max": how ReduceLROnPlateau and the best export compare its values."""
+    low = metric.rsplit("/", 1)[-1].lower()
+    return "min" if any(s in low for s in _LOWER_IS_BETTER) else "max"
+
+
 def validation_metric(cfg):
     """The metric ReduceLROnPlateau and the best export follow: SOLVER.BRAIXDET.PLATEAU_METRIC
     (default: stage 1 classification/BCE, stage 2 bbox/AP20 of the teacher; stage 2 follows the
@@ -107,5 +114,4 @@ def validation_metric(cfg):
         "classification/BCE" if cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier"
         else f"bbox/AP{int(round(cfg.TEST.BRAIXDET.IOU_THRESH * 100))}")
     key = metric if len(cfg.DATASETS.TEST) == 1 else f"{cfg.DATASETS.TEST[0]}/{metric}"
-    low = metric.rsplit("/", 1)[-1].lower()
-    return ValidationMetric(key, "min" if any(s in low for s in _LOWER_IS_BETTER) else "max")
+    return ValidationMetric(key, metric_mode(metric))
