@@ -68,19 +68,24 @@ def tiny_opts(root, out, cache_dir, stage="braixdet", max_iter=4, ckpt_period=10
     return opts + [str(x) for x in extra]
 
 
-def build_trainer(stage, opts, resume=False):
-    """In-process trainer after build_cfg -> resolve_cfg -> resume_or_load."""
+def seed_as_train_net(cfg):
+    """What train_net.py's default_setup does: the random init is a function of SEED (and
+    rank), not of whatever RNG state the tests before left in this process."""
     from detectron2.utils import comm
     from detectron2.utils.env import seed_all_rng
 
+    seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + comm.get_rank())
+
+
+def build_trainer(stage, opts, resume=False):
+    """In-process trainer after build_cfg -> resolve_cfg -> resume_or_load."""
     from braixdet.config import build_cfg, resolve_cfg
     from braixdet.engine import trainer_class
 
     cfg = build_cfg(CONFIGS[stage], opts)
     cfg = resolve_cfg(cfg)
     cfg.freeze()
-    # what train_net.py's default_setup does: the random init is a function of SEED (and rank)
-    seed_all_rng(None if cfg.SEED < 0 else cfg.SEED + comm.get_rank())
+    seed_as_train_net(cfg)
     trainer = trainer_class(cfg)(cfg)
     trainer.resume_or_load(resume=resume)
     return trainer

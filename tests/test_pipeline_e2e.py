@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from _train_helpers import tree_digest  # shared with test_reliability
+from _train_helpers import seed_as_train_net, tree_digest  # shared with test_reliability
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNSAMPLE", "2"]
@@ -269,9 +269,7 @@ def _iou(a, b):
 def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_path, load_tool):
     """A multi-view detector overfitted briefly on the malignant training images finds their
     lesions again through tools/predict.py, at the lesions' ORIGINAL DICOM pixel positions."""
-    import torch
     from detectron2.data import DatasetCatalog
-    from detectron2.utils.env import seed_all_rng
 
     from braixdet.config import build_cfg, register_datasets, resolve_cfg
     from braixdet.engine import BRAIxDetTrainer
@@ -294,17 +292,10 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
     assert len(malignant) >= 4
     DatasetCatalog.register("e2e_overfit_malignant", lambda: malignant)
     cfg.DATASETS.TRAIN, cfg.DATASETS.TEST = ("e2e_overfit_malignant",), ()
-    # seeded and on 2 threads, as train_net's default_setup and the demo configs run it: the
-    # heads' initialisation must not depend on which tests ran before in this process
-    seed_all_rng(cfg.SEED)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        trainer = BRAIxDetTrainer(cfg)
-        trainer.resume_or_load(resume=False)
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
+    seed_as_train_net(cfg)
+    trainer = BRAIxDetTrainer(cfg)
+    trainer.resume_or_load(resume=False)
+    trainer.train()
     weights = str(tmp_path / "detector.pth")
     export_model_only(trainer.model, weights)
 
