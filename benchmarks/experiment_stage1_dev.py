@@ -84,7 +84,8 @@ def run_candidate(a, name):
     opts = CANDIDATES[name]
     # 1 thread as §9 (runs beside other jobs on 2 cores); --opts last, so it can override
     args.opts = [*args.opts, "NUM_THREADS", "1", *a.opts]
-    args.stage1_opts = [*args.stage1_opts, *opts]
+    # every epoch's checkpoint is scored below, so keep them all
+    args.stage1_opts = [*args.stage1_opts, *opts, "SOLVER.BRAIXDET.CHECKPOINTS_KEPT", "0"]
     pipe = Pipeline(args)
     print(f"##### candidate {name}: {' '.join(opts) or '(demo config as is)'}", flush=True)
     stage = pipe.train("mvccl", pipe.config("MVCCL/mvccl.yaml"), args.stage1_opts)

@@ -550,7 +550,16 @@ def test_preflight_disk_space(monkeypatch, tmp_path):
     assert str(e.value) == (f"OUTPUT_DIR: 20 MB free on {tmp_path}, a checkpoint needs about "
                             "29 MB; free some space or use another OUTPUT_DIR")
     monkeypatch.setattr(preflight, "_free_bytes", lambda path: 40 << 20)
-    preflight.check_disk_space(cfg, trainer)  # room for one: ok (a warning for all ten)
+    warnings = []
+    monkeypatch.setattr(preflight.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    preflight.check_disk_space(cfg, trainer)  # keeps 1 periodic + model_final: 24 MB, fits
+    assert warnings == []
+    cfg.defrost()
+    cfg.SOLVER.BRAIXDET.CHECKPOINTS_KEPT = 0  # keep all 9 periodic + model_final: 120 MB
+    preflight.check_disk_space(cfg, trainer)  # room for one: ok, with a warning
+    assert warnings == [f"OUTPUT_DIR {tmp_path}: 40 MB free, the 10 checkpoints the run keeps "
+                        "need about 115 MB, so the disk may fill up "
+                        "(SOLVER.BRAIXDET.CHECKPOINTS_KEPT)"]
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -161,6 +161,8 @@ def test_nan_loss_stops_with_named_term_and_keeps_last_good_checkpoint(work):
 
     assert _last_checkpoint(out) == bad_iter - 1
     assert not (out / "model_final.pth").exists()
+    # SOLVER.BRAIXDET.CHECKPOINTS_KEPT 1 (the default): older periodic checkpoints are deleted
+    assert sorted(p.name for p in out.glob("model_*.pth")) == [f"model_{bad_iter - 1:07d}.pth"]
     fresh = build_model(t.cfg)
     teacher = build_model(t.cfg)
     extra = AtomicCheckpointer(fresh, str(out), teacher=teacher).resume_or_load("", resume=True)
@@ -175,7 +177,8 @@ def test_diverging_lr_stops_stage1_with_iteration_and_term(work):
     out = work.dir / "diverge"
     t = build_trainer("mvccl", _opts(work, out, "mvccl", max_iter=8, ckpt_period=1,
                                      extra=["SOLVER.BASE_LR", "1e30", "SOLVER.WARMUP_ITERS", "0",
-                                            "DATASETS.TEST", "()"]))
+                                            "DATASETS.TEST", "()",
+                                            "SOLVER.BRAIXDET.CHECKPOINTS_KEPT", "0"]))
     with pytest.raises(FloatingPointError) as e:
         t.train()
     msg = str(e.value)
@@ -184,6 +187,9 @@ def test_diverging_lr_stops_stage1_with_iteration_and_term(work):
     bad_iter = int(m.group(1))
     assert bad_iter >= 1  # the first step ran with finite losses
     assert _last_checkpoint(out) == bad_iter - 1
+    # CHECKPOINTS_KEPT 0 keeps every periodic checkpoint (detectron2's behaviour)
+    assert sorted(p.name for p in out.glob("model_*.pth")) == [
+        f"model_{i:07d}.pth" for i in range(bad_iter)]
     ckpt = load_ckpt(out / f"model_{bad_iter - 1:07d}.pth")
     assert _all_finite(ckpt["model"])
     fresh = build_model(t.cfg)

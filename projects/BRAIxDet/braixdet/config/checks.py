@@ -75,6 +75,7 @@ _CHECKS = {
     "SOLVER.BRAIXDET.OPTIMIZER": (lambda v: str(v).upper() in OPTIMIZERS, "ADAM or SGD"),
     "SOLVER.BRAIXDET.EPOCHS": _number_in(0, math.inf, lo_open=True, hi_open=True),
     "SOLVER.BRAIXDET.AMP_DTYPE": _one_of("auto", "bf16", "fp16"),
+    "SOLVER.BRAIXDET.CHECKPOINTS_KEPT": _int_at_least(0),
     "DATALOADER.NUM_WORKERS": _int_at_least(0),
     "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH": _int_at_least(1),
     "DATASETS.BRAIXDET.FORMAT": _one_of(*sorted(LOADERS)),

@@ -128,6 +128,10 @@ def _add_solver_config(cfg):
     s.EPOCHS = 20.0
     cfg.SOLVER.MAX_ITER = -1
     cfg.SOLVER.CHECKPOINT_PERIOD = -1
+    # periodic checkpoints kept on disk, the newest (0 = all, detectron2's default): resume reads
+    # only the last, the export and model_final are separate files; a 20-epoch stage-2 run keeps
+    # ~2.4 GB otherwise
+    s.CHECKPOINTS_KEPT = 1
     cfg.TEST.EVAL_PERIOD = -1
     # ReduceLROnPlateau (paper: x0.1) on a validation metric, which also selects the exported
     # detector; "" = stage default (stage 1 classification/BCE, stage 2 bbox/AP20). Stage 2 can

@@ -16,7 +16,8 @@ trainer is built, on the main process):
 ``check_disk_space(cfg, trainer)`` (after the trainer is built, before its first step): the
 folder must have room for one checkpoint, estimated as the model's state bytes x (1 + optimizer
 slots: 2 for Adam, 1 for SGD momentum) + the teacher's state bytes (stage 2 SSL), plus 10 % and
-16 MB; it warns when the planned periodic checkpoints would not all fit.
+16 MB; it warns when the checkpoints the run keeps (SOLVER.BRAIXDET.CHECKPOINTS_KEPT of the
+planned periodic ones, plus model_final) would not all fit.
 
 Every failure raises ``PreflightError``: one line naming the config key, the file or dataset and
 the reason (``braixdet/cli.py`` prints it as the tool's last line).
@@ -200,9 +201,11 @@ def check_disk_space(cfg, trainer):
                              f"checkpoint needs about {need / mb:.0f} MB; free some space or use "
                              "another OUTPUT_DIR")
     period, max_iter = cfg.SOLVER.CHECKPOINT_PERIOD, cfg.SOLVER.MAX_ITER
-    planned = 1 + (max(0, max_iter - 1 - getattr(trainer, "start_iter", 0)) // period
-                   if period > 0 else 0)
+    periodic = (max(0, max_iter - 1 - getattr(trainer, "start_iter", 0)) // period
+                if period > 0 else 0)
+    kept = cfg.SOLVER.get("BRAIXDET", {}).get("CHECKPOINTS_KEPT", 0)
+    planned = 1 + (min(periodic, kept) if kept else periodic)  # + model_final
     if free < planned * size:
-        logger.warning("OUTPUT_DIR %s: %.0f MB free, the %d planned checkpoints need about "
-                       "%.0f MB; old ones are kept, so the disk may fill up", cfg.OUTPUT_DIR,
-                       free / mb, planned, planned * size / mb)
+        logger.warning("OUTPUT_DIR %s: %.0f MB free, the %d checkpoints the run keeps need about "
+                       "%.0f MB, so the disk may fill up (SOLVER.BRAIXDET.CHECKPOINTS_KEPT)",
+                       cfg.OUTPUT_DIR, free / mb, planned, planned * size / mb)

@@ -401,8 +401,10 @@ class BRAIxTrainerBase(DefaultTrainer):
         # at an evaluation iteration holds their decisions (exact resume)
         ret.extend(self.validation_hooks())
         if comm.is_main_process():
+            kept = cfg.SOLVER.BRAIXDET.CHECKPOINTS_KEPT
             ret.append(d2_hooks.PeriodicCheckpointer(self.checkpointer,
-                                                     cfg.SOLVER.CHECKPOINT_PERIOD))
+                                                     cfg.SOLVER.CHECKPOINT_PERIOD,
+                                                     max_to_keep=kept or None))
             ret.append(d2_hooks.PeriodicWriter(self.build_writers(), period=20))
         return ret
 
