@@ -4,6 +4,7 @@ Stage 1 (BRAIxMVCCL) runs through tools/train_net.py; stage 2 (student-teacher B
 the supervised baseline run in-process (build_cfg -> register -> Trainer), which is faster.
 """
 import json
+import logging
 import math
 import os
 import types
@@ -211,11 +212,12 @@ def test_cam_view_agreement_filters_the_boxes_stage2_reads(work, stage1):
     assert lookups[0.1] == expected and counts["dropped"] > 0
 
 
-def test_cam_box_sources_reach_algorithm2(work, stage1, synthetic_root):
+def test_cam_box_sources_reach_algorithm2(work, stage1, synthetic_root, caplog):
     """SSL.CAM_BOX_SOURCE: "oracle" fuses exactly the generator's true boxes of D_w's cancers,
     and against the truth (SSL.PSEUDO_QUALITY) they score precision = recall = 1 in the input
     frame; "gradcam" fuses the file's boxes only: neither they nor the weak batches the teacher
-    labels carry a true box (the truth stays in the quality scalars' own lookup)."""
+    labels carry a true box (the truth stays in the quality scalars' own lookup). Mean Teacher
+    (SSL.USE_CAM False) fuses nothing, and its log says so rather than naming a fusion window."""
     from braixdet.ssl.box_sources import true_box_lookup
     from braixdet.ssl.pseudo_quality import match_counts
 
@@ -224,13 +226,24 @@ def test_cam_box_sources_reach_algorithm2(work, stage1, synthetic_root):
     truth = {os.path.join(synthetic_root.root, t["path"]):
              [les["bbox"] for les in t["lesions"] if les["malignant"]]
              for t in synthetic_root.summary["truth"]}
-    steps = {}
-    for source in ("oracle", "gradcam"):
+    steps, fusion_lines = {}, {}
+    for source in ("oracle", "gradcam", "none"):
+        extra = ["SSL.USE_CAM", "False"] if source == "none" else \
+            ["SSL.CAM_BOX_SOURCE", source, "SSL.PSEUDO_QUALITY", "True"]
         opts = _opts(work, work.dir / f"src_{source}", "braixdet", max_iter=1,
                      init_from=stage1.ckpt, cam_json=cam if source == "gradcam" else "",
-                     extra=["SSL.CAM_BOX_SOURCE", source, "SSL.PSEUDO_QUALITY", "True"])
-        steps[source] = build_trainer("braixdet", opts)._trainer
+                     extra=extra)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="braixdet"):
+            steps[source] = build_trainer("braixdet", opts)._trainer
+        fusion_lines[source] = [r.getMessage() for r in caplog.records
+                                if r.getMessage().startswith("Algorithm 2: ")]
     oracle, gradcam = steps["oracle"], steps["gradcam"]
+    assert fusion_lines["gradcam"] == fusion_lines["oracle"] == \
+        [f"Algorithm 2: GradCAM fusion during the first {gradcam.fusion_iters} iterations"]
+    assert steps["none"].cam_lookup == {} and len(fusion_lines["none"]) == 1
+    assert fusion_lines["none"][0].startswith("Algorithm 2: off (no boxes to fuse: SSL.USE_CAM "
+                                              "False"), fusion_lines["none"]
     weak = DatasetCatalog.get(probe.DATASETS.TRAIN_WEAK[0])
     cancers = {str(d["image_id"]): d["file_name"] for d in weak if d["label"] == 1}
     assert {k: v["boxes"] for k, v in oracle.cam_lookup.items()} == \
