@@ -29,7 +29,9 @@ from braixdet.ssl.pseudo_quality import plot_quality_curves, read_quality_curves
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 ROWS = ("braixdet", "braixdet_random_boxes", "braixdet_oracle_boxes")
-FUSION_LINE = re.compile(r"Algorithm 2: GradCAM fusion during the first (\d+) iterations")
+# the trainer's line; logs written before 2026-11-27 say "GradCAM fusion" whatever the source
+FUSION_LINE = re.compile(r"Algorithm 2: (?:GradCAM fusion|\w+ boxes fused) during the first "
+                         r"(\d+) iterations")
 
 
 def mean_quality(curves, first, last):

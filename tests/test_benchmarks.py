@@ -110,7 +110,11 @@ def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
     (tmp_path / "log.txt").write_text(
         "[11/25 18:00:00 braixdet.engine.trainers]: Algorithm 2: GradCAM fusion during the "
         "first 40 iterations\n")
-    assert script._fusion_end(str(tmp_path)) == 39
+    assert script._fusion_end(str(tmp_path)) == 39  # a log written before 2026-11-27
+    (tmp_path / "log.txt").write_text(
+        "[11/27 05:00:00 braixdet.engine.trainers]: Algorithm 2: oracle boxes fused during the "
+        "first 41 iterations\n")
+    assert script._fusion_end(str(tmp_path)) == 40
     with pytest.raises(SystemExit) as e:
         script.main(["--help"])
     assert e.value.code == 0 and "--stage1" in capsys.readouterr().out

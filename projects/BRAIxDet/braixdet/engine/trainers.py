@@ -582,8 +582,8 @@ class StudentTeacherTrainer(BRAIxDetTrainer):
             weak_batch_size=cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
             epochs=cfg.SSL.CAM_FUSION_EPOCHS, override_iters=cfg.SSL.CAM_FUSION_ITERS)
         if cam_lookup:  # experiment_box_sources.py reads this line
-            logger.info("Algorithm 2: GradCAM fusion during the first %d iterations",
-                        fusion_iters)
+            logger.info("Algorithm 2: %s boxes fused during the first %d iterations",
+                        cfg.SSL.CAM_BOX_SOURCE, fusion_iters)
         else:  # Mean Teacher and the competitors: nothing to fuse, whatever the window
             logger.info("Algorithm 2: off (no boxes to fuse: SSL.USE_CAM %s, SSL.CAM_JSON %r); "
                         "the pseudo-boxes are the teacher's", cfg.SSL.USE_CAM, cfg.SSL.CAM_JSON)
