@@ -17,14 +17,21 @@ of `make bench`. ``--parallel``: every stage whose inputs are ready runs at once
 as its single-view classifier is done: for one large GPU, which one run leaves mostly idle.
 ``--no-ceiling`` leaves the ceilings out, so that the rows of a seed can be split across runs
 (time-limited GPU leases, moving the done stages' folders to the same path): each run trains
-only what is not done, and a last run without it adds the ceilings.
+only what is not done, and a last run without it adds the ceilings. ``--record FILE`` keeps
+the finished rows where a fresh machine finds them (a JSON file in the repository, e.g.
+docs/results/): each run adds its seeds' rows to it, refuses a record of other settings, and the
+tables are computed over every seed and row the record holds, so that rows trained in separate
+sessions, on CPU or GPU leases, are paired by seed.
 """
 import argparse
+import json
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+from _common import cpu_model
 from experiment_benchmark_regime import (
     ROW,
     add_regime_arguments,
@@ -45,6 +52,11 @@ from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 ROWS = [*DEFAULT_METHODS, "stac", "unbiased_teacher", "soft_teacher"]
 CRITERIA_NAME = "Regime criteria (RESULTS §10) on the seeds' means"
+# --opts keys that say where a run executes, not what it trains: rows run with other values
+# still belong to one record (each row keeps its own values beside its machine)
+EXECUTION_KEYS = ("MODEL.DEVICE", "DATALOADER.NUM_WORKERS", "NUM_THREADS")
+# what a seed's summary carries into the record besides its rows (first run's value is kept)
+SEED_FIELDS = ("classifiers", "cam_quality", "protocol")
 
 
 def pipeline_args(a):
@@ -54,6 +66,69 @@ def pipeline_args(a):
     args.stage1_opts += a.stage1_opts
     args.det_opts += a.det_opts
     return args
+
+
+def opt_pairs(opts):
+    return list(zip(opts[::2], opts[1::2]))
+
+
+def record_settings(a, regime):
+    """What a record's rows must share: the regime and every training setting."""
+    return json.loads(json.dumps({
+        "regime": regime, "ratio": a.ratio, "size": a.size, "stage1_epochs": a.stage1_epochs,
+        "det_epochs": a.det_epochs, "ceiling_epochs": a.ceiling_epochs,
+        "opts": [kv for kv in opt_pairs(a.opts) if kv[0] not in EXECUTION_KEYS],
+        "stage1_opts": a.stage1_opts, "det_opts": a.det_opts}))
+
+
+def machine(opts):
+    """The device the rows trained on, in words (the GPU's name or the CPU model)."""
+    device = dict(opt_pairs(opts)).get("MODEL.DEVICE", "cpu")
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{cpu_model()} ({os.cpu_count()} cores)"
+
+
+def load_record(path, settings):
+    """The record at ``path`` (empty when missing); refuses one of other settings."""
+    if not os.path.exists(path):
+        return {"settings": settings, "seeds": {}}
+    with open(path) as f:
+        record = json.load(f)
+    if record.get("settings") != settings:
+        raise SystemExit(f"error: {path} records rows of other settings than this run's "
+                         "(its 'settings'); use another --record")
+    return record
+
+
+def update_record(path, settings, seeds, per_seed, run):
+    """Adds each seed's rows to the record at ``path`` and returns its seeds' summaries, sorted
+    by seed. A row already recorded keeps its recorded value (this run's is printed beside it
+    when they differ): remove it from the file to replace it."""
+    record = load_record(path, settings)
+    for seed, summary in zip(seeds, per_seed):
+        entry = record["seeds"].setdefault(str(seed), {"results": {}, "row_cpu_seconds": {},
+                                                       "runs": {}})
+        for field in SEED_FIELDS:
+            if summary.get(field) and not entry.get(field):
+                entry[field] = summary[field]
+        for label, metrics in summary["results"].items():
+            metrics = json.loads(json.dumps(metrics))
+            old = entry["results"].setdefault(label, metrics)
+            if old != metrics:
+                print(f"seed {seed} {label}: recorded AP@0.2 {ap20_of(old):.2f} "
+                      f"({entry['runs'][label]['machine']}), this run {ap20_of(metrics):.2f} "
+                      f"({run['machine']}); the recorded row is kept", flush=True)
+                continue
+            entry["runs"].setdefault(label, run)
+            seconds = (summary.get("row_cpu_seconds") or {}).get(label)
+            entry["row_cpu_seconds"].setdefault(label, seconds)
+    atomic_write_json(path, record, indent=1)
+    return [record["seeds"][s] for s in sorted(record["seeds"], key=int)]
+
+
+def ap20_of(metrics):
+    return float(metrics.get("bbox", metrics)["AP20"])
 
 
 def regime_criteria(per_seed):
@@ -110,6 +185,9 @@ def main(argv=None):
     ap.add_argument("--no-ceiling", action="store_true",
                     help="leave the full-label ceiling out (a later run with it trains only it: "
                          "done stages are skipped), e.g. to split a seed across GPU leases")
+    ap.add_argument("--record", default="",
+                    help="JSON file the finished rows are added to, per seed; the tables are "
+                         "over every row it holds (rows split across sessions and machines)")
     ap.add_argument("--parallel", action="store_true",
                     help="every ready stage at once as a local job, the ceilings beside them")
     a = ap.parse_args(argv)
@@ -117,6 +195,8 @@ def main(argv=None):
         ap.error("--ceiling-epochs must be > 0 (--no-ceiling leaves the ceiling out)")
     a.out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), a.out)
+    if a.record and os.path.exists(a.record):  # refuse other settings before hours of training
+        load_record(a.record, record_settings(a, record))
     a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
     args = pipeline_args(a)
     ceiling_epochs = 0 if a.no_ceiling else a.ceiling_epochs
@@ -125,16 +205,22 @@ def main(argv=None):
     for seed, summary in zip(a.seeds, per_seed):
         if ceiling_epochs:
             add_ceiling(seed_args(args, seed, a.run_dir), summary, ceiling_epochs)
+    seeds = a.seeds
+    if a.record:
+        run = {"machine": machine(a.opts), "opts": a.opts,
+               "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        per_seed = update_record(a.record, record_settings(a, record), a.seeds, per_seed, run)
+        seeds = [s["protocol"]["seed"] for s in per_seed]
     rows_md, rows = paper_table(per_seed)
     effects_md, effects = paired_tables(per_seed)
     criteria = regime_criteria(per_seed)
     minutes = (time.time() - t0) / 60
-    text = (f"Regime {a.regime} {record['overrides'] or ''}; ratio {a.ratio}; seeds {a.seeds}; "
+    text = (f"Regime {a.regime} {record['overrides'] or ''}; ratio {a.ratio}; seeds {seeds}; "
             f"mean ± std (ddof=1); {minutes:.1f} min.\n\n{rows_md}\n\n{effects_md}\n"
             + (f"\n```\n{criteria_text(CRITERIA_NAME, criteria)}\n```\n" if criteria else ""))
     atomic_write_text(os.path.join(a.out, "table6.md"), text)
     atomic_write_json(os.path.join(a.out, "table6.json"),
-                      {"regime": record, "seeds": a.seeds, "ratio": a.ratio, "rows": rows,
+                      {"regime": record, "seeds": seeds, "ratio": a.ratio, "rows": rows,
                        "effects": effects, "per_seed": [s["results"] for s in per_seed],
                        "criteria": criteria,
                        "minutes": round(minutes, 1)}, indent=1)

@@ -304,6 +304,48 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     with pytest.raises(SystemExit):
         script.main([*argv, "--ceiling-epochs", "0"])
     assert "--no-ceiling leaves the ceiling out" in capsys.readouterr().err
+    # --record: the done rows go to the record, which a run of other settings refuses untouched
+    record = tmp_path / "record.json"
+    script.main([*argv, "--no-ceiling", "--record", str(record), "--opts", "NUM_THREADS", "1"])
+    kept = record.read_bytes()
+    entry = json.loads(kept)["seeds"]["0"]
+    assert entry["results"] == rows_only["per_seed"][0]
+    assert entry["runs"]["Faster R-CNN"]["machine"].endswith(f"({os.cpu_count()} cores)")
+    assert entry["runs"]["Faster R-CNN"]["opts"][-2:] == ["NUM_THREADS", "1"]
+    with pytest.raises(SystemExit, match="records rows of other settings"):
+        script.main([*argv, "--det-epochs", "1.0", "--record", str(record)])
+    assert record.read_bytes() == kept
+
+
+def test_table6_record_pairs_rows_from_separate_runs_by_seed(tmp_path, capsys, load_tool):
+    """experiment_table6.py --record: rows trained in separate runs (fresh machines, GPU leases)
+    are paired by seed in the tables; a row recorded once keeps its value."""
+    from braixdet.pipeline.results import OURS, paired_tables
+
+    script = load_tool("experiment_table6", folder="benchmarks")
+    path, settings = str(tmp_path / "record.json"), {"regime": "r", "size": [256, 128]}
+
+    def summary(seed, **rows):
+        return {"results": {k: {"bbox": {"AP20": v, "R@0.5": v}} for k, v in rows.items()},
+                "protocol": {"seed": seed}, "row_cpu_seconds": {k: 60.0 for k in rows}}
+
+    mt = "MV + SSL (Mean Teacher)"
+    a = {"machine": "cpu A", "opts": [], "date": "d"}
+    b = dict(a, machine="gpu B")
+    script.update_record(path, settings, [1, 0], [summary(1, **{mt: 50.0}),
+                                                   summary(0, **{mt: 60.0})], a)
+    per_seed = script.update_record(path, settings, [0, 1, 2], [
+        summary(0, **{OURS: 64.0, mt: 61.0}), summary(1, **{OURS: 53.0}),
+        summary(2, **{OURS: 40.0, mt: 38.0})], b)
+    assert "seed 0 MV + SSL (Mean Teacher): recorded AP@0.2 60.00 (cpu A), this run 61.00 " \
+        "(gpu B); the recorded row is kept" in capsys.readouterr().out
+    assert [s["protocol"]["seed"] for s in per_seed] == [0, 1, 2]
+    assert [s["runs"][mt]["machine"] for s in per_seed] == ["cpu A", "cpu A", "gpu B"]
+    _, tables = paired_tables(per_seed)
+    assert tables["ours_vs"][mt]["n"] == 3
+    assert tables["ours_vs"][mt]["mean"] == pytest.approx((4 + 3 + 2) / 3)
+    with pytest.raises(SystemExit, match="other settings"):
+        script.update_record(path, dict(settings, size=[512, 256]), [], [], b)
 
 
 def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):
