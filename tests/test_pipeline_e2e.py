@@ -724,6 +724,26 @@ def test_dry_run_lists_the_job_graph_and_its_gpu_hours(pipeline_run, tmp_path, c
     assert not (exp / "submitit").exists()  # nothing submitted
 
 
+def test_stage_log_is_written_line_by_line_and_algorithm2_reaches_progress(tmp_path, capsys):
+    """run_stage writes a stage's full log as each line comes (a person tailing a long stage
+    saw nothing for 8 KB, about 15 minutes of training), and the trainer's Algorithm 2 line is
+    a progress line again (its wording changed from 'GradCAM fusion')."""
+    from braixdet.pipeline.stages import run_stage
+
+    log = tmp_path / "logs" / "stage.log"
+    line = "[11/27 05:00:00 braixdet.engine.trainers]: Algorithm 2: oracle boxes fused during " \
+           "the first 5 iterations"
+    # the stage waits (up to 30 s) until its first line is in the log, then says what it saw
+    child = (f"import time\nprint({line!r}, flush=True)\nend = time.time() + 30\n"
+             f"def seen():\n    return 'Algorithm 2' in open({str(log)!r}).read()\n"
+             "while not seen() and time.time() < end:\n    time.sleep(0.05)\n"
+             "print('seen' if seen() else 'not seen', flush=True)\n")
+    run_stage("probe", [sys.executable, "-c", child], str(log))
+    assert log.read_text().splitlines() == [line, "seen"]
+    assert "\n   Algorithm 2: oracle boxes fused during the first 5 iterations\n" in \
+        capsys.readouterr().out
+
+
 def test_a_cluster_job_runs_its_stage_only_from_the_stages_it_waits_for(monkeypatch, tmp_path):
     """Issue 32: a detector job needs only Plan.after's stages done (the seed's other
     classifier may still be running); a job whose input stage is not done stops with one line

@@ -22,7 +22,7 @@ from ..utils.io import atomic_write_json, open_no_follow
 DONE = "stage_done.json"
 # lines worth showing while a stage runs: training progress, results, reports, problems
 PROGRESS = re.compile(r"eta: |copypaste: \S|Split \(|bad inputs:|wrote |Error|error:|"
-                      r"Initialised |GradCAM fusion|pseudo-box quality|Schedule:|"
+                      r"Initialised |Algorithm 2: |pseudo-box quality|Schedule:|"
                       r"Exported model|Overall training speed|Resum")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LOG_PREFIX = re.compile(r"^\[\d+/\d+ [\d:]+ [\w.]+\]:\s*")  # detectron2's "[date name]: "
@@ -71,7 +71,8 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
     print(f"\n=== [{name}] {entry} (full log: {log_path})", flush=True)
     received = []
     tail = []
-    with open_no_follow(log_path, "w", replace_link=True) as log, subprocess.Popen(
+    # line-buffered: a person tailing the full log of a long stage sees each line as it comes
+    with open_no_follow(log_path, "w", replace_link=True, buffering=1) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, start_new_session=True) as proc:
 

@@ -51,10 +51,10 @@ def refuse_links(folder):
             refuse_link(os.path.join(dirpath, name))
 
 
-def open_no_follow(path, mode="a", replace_link=False):
-    """``open(path, mode)`` for writing ("w"/"a", text or binary) that refuses a final symlink,
-    or with ``replace_link`` removes it first (a file of ours, e.g. a log; its target is left
-    untouched, as ``atomic_write`` does)."""
+def open_no_follow(path, mode="a", replace_link=False, buffering=-1):
+    """``open(path, mode, buffering)`` for writing ("w"/"a", text or binary) that refuses a final
+    symlink, or with ``replace_link`` removes it first (a file of ours, e.g. a log; its target is
+    left untouched, as ``atomic_write`` does)."""
     if replace_link and os.path.islink(path):
         logger.warning("%s was a symbolic link: replaced by the file, its target left untouched",
                        path)
@@ -66,7 +66,7 @@ def open_no_follow(path, mode="a", replace_link=False):
         if e.errno == errno.ELOOP:
             refuse_link(path)
         raise
-    return os.fdopen(fd, mode)
+    return os.fdopen(fd, mode, buffering)
 
 
 class OutputWriteError(OSError):
