@@ -208,7 +208,7 @@ def main(argv=None):
     seeds = a.seeds
     if a.record:
         run = {"machine": machine(a.opts), "opts": a.opts,
-               "date": time.strftime("%Y-%m-%d", time.gmtime())}
+               "recorded": time.strftime("%Y-%m-%d", time.gmtime())}
         per_seed = update_record(a.record, record_settings(a, record), a.seeds, per_seed, run)
         seeds = [s["protocol"]["seed"] for s in per_seed]
     rows_md, rows = paper_table(per_seed)

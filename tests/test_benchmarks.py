@@ -330,7 +330,7 @@ def test_table6_record_pairs_rows_from_separate_runs_by_seed(tmp_path, capsys, l
                 "protocol": {"seed": seed}, "row_cpu_seconds": {k: 60.0 for k in rows}}
 
     mt = "MV + SSL (Mean Teacher)"
-    a = {"machine": "cpu A", "opts": [], "date": "d"}
+    a = {"machine": "cpu A", "opts": [], "recorded": "d"}
     b = dict(a, machine="gpu B")
     script.update_record(path, settings, [1, 0], [summary(1, **{mt: 50.0}),
                                                    summary(0, **{mt: 60.0})], a)
