@@ -195,7 +195,7 @@ def main(argv=None):
         ap.error("--ceiling-epochs must be > 0 (--no-ceiling leaves the ceiling out)")
     a.out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), a.out)
-    if a.record and os.path.exists(a.record):  # refuse other settings before hours of training
+    if a.record:  # refuse a record of other settings before hours of training
         load_record(a.record, record_settings(a, record))
     a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
     args = pipeline_args(a)
