@@ -46,7 +46,7 @@ from experiment_ratio_grid import run_args
 from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
 from braixdet.pipeline.launcher import add_launcher_arguments, launch
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
-from braixdet.pipeline.results import CEILING, paired_tables, paper_table
+from braixdet.pipeline.results import CEILING, paired_tables, paper_table, row_metric
 from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -116,8 +116,8 @@ def update_record(path, settings, seeds, per_seed, run):
             metrics = json.loads(json.dumps(metrics))
             old = entry["results"].setdefault(label, metrics)
             if old != metrics:
-                print(f"seed {seed} {label}: recorded AP@0.2 {ap20_of(old):.2f} "
-                      f"({entry['runs'][label]['machine']}), this run {ap20_of(metrics):.2f} "
+                print(f"seed {seed} {label}: recorded AP@0.2 {row_metric(old):.2f} "
+                      f"({entry['runs'][label]['machine']}), this run {row_metric(metrics):.2f} "
                       f"({run['machine']}); the recorded row is kept", flush=True)
                 continue
             entry["runs"].setdefault(label, run)
@@ -125,10 +125,6 @@ def update_record(path, settings, seeds, per_seed, run):
             entry["row_cpu_seconds"].setdefault(label, seconds)
     atomic_write_json(path, record, indent=1)
     return [record["seeds"][s] for s in sorted(record["seeds"], key=int)]
-
-
-def ap20_of(metrics):
-    return float(metrics.get("bbox", metrics)["AP20"])
 
 
 def regime_criteria(per_seed):
