@@ -89,6 +89,42 @@ def test_converted_checkpoint_loads_through_timm(package_state, tmp_path):
                           package_state["_conv_stem.weight"].sum(1, keepdim=True))
 
 
+def test_concurrent_first_conversions_both_succeed(tmp_path, monkeypatch):
+    """Two parallel jobs converting at once (issue 27's GPU lease: one died with 'write failed
+    (No such file or directory)'): the checkpoint writer clears stale temp files of its path,
+    so without the lock the second writer deletes the first one's live temp file."""
+    import threading
+    import time
+
+    from braixdet.utils import checkpoint
+
+    real_save = checkpoint.torch.save
+
+    def slow_save(obj, f):  # hold the temp file open while the other job starts its write
+        real_save(obj, f)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(checkpoint.torch, "save", slow_save)
+    results, errors = [], []
+
+    def job():
+        try:
+            results.append(convert_lite0_package(str(tmp_path)))
+        except Exception as e:  # noqa: BLE001 - the test reports what a job raised
+            errors.append(e)
+
+    threads = [threading.Thread(target=job) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(results)) == 1
+    assert torch.load(results[0], weights_only=True)["classifier.weight"].shape == (1000, 1280)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
 def test_normalisation_matches_what_the_weights_were_trained_with(package_state):
     """The stem BN's running mean records the mean conv response to the training inputs: it is
     predicted by the weights' normalisation of ImageNet pixel means (0.5/0.5 for Lite0), and

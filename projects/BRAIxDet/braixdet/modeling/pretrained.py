@@ -23,6 +23,7 @@ from typing import Callable, Dict
 
 import timm
 import torch
+from filelock import FileLock
 
 from ..utils.checkpoint import atomic_torch_save, safe_torch_load
 
@@ -151,16 +152,21 @@ def convert_lite0_package(cache_dir: str = None) -> str:
     """Convert the package's weights into a timm checkpoint once; returns its cached path.
 
     The file name carries a digest of the package file, so another package version converts
-    again; the write is atomic (temp file + rename), so concurrent first uses are safe.
+    again. Concurrent first uses (parallel jobs on one machine) take turns on a file lock: the
+    checkpoint writer clears stale temp files of its path, which would be a live writer's.
     """
     src = _lite0_package_file()
     with open(src, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:10]
     cache_dir = cache_dir or os.path.join(torch.hub.get_dir(), "checkpoints")
     dst = os.path.join(cache_dir, f"tf_efficientnet_lite0.lite0_package-{digest}.pth")
-    if not os.path.isfile(dst):
-        logger.info("Converting %s into a timm checkpoint: %s", src, dst)
-        atomic_torch_save(lite0_package_state_dict(safe_torch_load(src)), dst)
+    if os.path.isfile(dst):
+        return dst
+    os.makedirs(cache_dir, exist_ok=True)
+    with FileLock(dst + ".lock"):
+        if not os.path.isfile(dst):  # another job may have converted it while we waited
+            logger.info("Converting %s into a timm checkpoint: %s", src, dst)
+            atomic_torch_save(lite0_package_state_dict(safe_torch_load(src)), dst)
     return dst
 
 
