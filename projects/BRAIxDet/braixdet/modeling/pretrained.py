@@ -162,8 +162,7 @@ def convert_lite0_package(cache_dir: str = None) -> str:
     dst = os.path.join(cache_dir, f"tf_efficientnet_lite0.lite0_package-{digest}.pth")
     if os.path.isfile(dst):
         return dst
-    os.makedirs(cache_dir, exist_ok=True)
-    with FileLock(dst + ".lock"):
+    with FileLock(dst + ".lock"):  # filelock creates cache_dir
         if not os.path.isfile(dst):  # another job may have converted it while we waited
             logger.info("Converting %s into a timm checkpoint: %s", src, dst)
             atomic_torch_save(lite0_package_state_dict(safe_torch_load(src)), dst)
