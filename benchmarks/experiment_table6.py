@@ -56,7 +56,7 @@ CRITERIA_NAME = "Regime criteria (RESULTS §10) on the seeds' means"
 # still belong to one record (each row keeps its own values beside its machine)
 EXECUTION_KEYS = ("MODEL.DEVICE", "DATALOADER.NUM_WORKERS", "NUM_THREADS")
 # what a seed's summary carries into the record besides its rows (first run's value is kept)
-SEED_FIELDS = ("classifiers", "cam_quality", "protocol")
+SEED_FIELDS = ("cam_quality", "protocol")
 
 
 def pipeline_args(a):
@@ -112,6 +112,9 @@ def update_record(path, settings, seeds, per_seed, run):
         for field in SEED_FIELDS:
             if summary.get(field) and not entry.get(field):
                 entry[field] = summary[field]
+        # per classifier: a seed's rows are split across runs that train different stage 1s
+        for name, metrics in (summary.get("classifiers") or {}).items():
+            entry.setdefault("classifiers", {}).setdefault(name, metrics)
         for label, metrics in summary["results"].items():
             metrics = json.loads(json.dumps(metrics))
             old = entry["results"].setdefault(label, metrics)

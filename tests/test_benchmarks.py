@@ -348,6 +348,36 @@ def test_table6_record_pairs_rows_from_separate_runs_by_seed(tmp_path, capsys, l
         script.update_record(path, dict(settings, size=[512, 256]), [], [], b)
 
 
+def test_table6_record_keeps_each_stage1_classifier_of_a_seed_split_across_runs(tmp_path,
+                                                                                load_tool):
+    """A seed's floor and its BRAIxDet row train different stage-1 classifiers in separate runs:
+    the record keeps both (the first value of each), and the stage-1 table says how many seeds
+    each mean is over, with no spread for one."""
+    from braixdet.pipeline.results import paper_table
+
+    script = load_tool("experiment_table6", folder="benchmarks")
+    path, settings = str(tmp_path / "record.json"), {"regime": "r"}
+    run = {"machine": "cpu", "opts": [], "recorded": "d"}
+
+    def summary(seed, row, **classifiers):
+        return {"results": {row: {"bbox": {"AP20": 50.0, "R@0.5": 60.0}}},
+                "protocol": {"seed": seed}, "row_cpu_seconds": {row: 1.0},
+                "classifiers": {n: {"val": {"AUC": v}, "test": {"AUC": v - 0.05}}
+                                for n, v in classifiers.items()}}
+
+    script.update_record(path, settings, [0, 1], [
+        summary(0, "Faster R-CNN", classifier_single_view=0.70),
+        summary(1, "Faster R-CNN", classifier_single_view=0.60)], run)
+    per_seed = script.update_record(path, settings, [0], [
+        summary(0, "BRAIxDet", mvccl=0.80, classifier_single_view=0.99)], run)
+    assert per_seed[0]["classifiers"] == {
+        "classifier_single_view": {"val": {"AUC": 0.70}, "test": {"AUC": pytest.approx(0.65)}},
+        "mvccl": {"val": {"AUC": 0.80}, "test": {"AUC": pytest.approx(0.75)}}}
+    md, _ = paper_table(per_seed)
+    assert "| classifier_single_view | 0.650 ± 0.071 | 0.600 ± 0.071 | 2 |" in md
+    assert "| mvccl | 0.800 | 0.750 | 1 |" in md
+
+
 def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):
     """experiment_mv_cost.py (RESULTS §15): effects paired by seed from the 2×2 grid's rows,
     and the verdict of the criteria written before the runs, at their edges."""

@@ -331,11 +331,11 @@ def paper_table(per_seed):
                 auc = m.get(split, {}).get("AUC")
                 cls.setdefault(name, {}).setdefault(split, []).append(
                     float("nan") if auc is None else float(auc))
-    lines += ["", "| Stage-1 classifier | val AUC | test AUC |", "|---|---|---|"]
+    lines += ["", "| Stage-1 classifier | val AUC | test AUC | seeds |", "|---|---|---|---|"]
     for name, d in cls.items():
         lines.append(f"| {name} | " + " | ".join(
-            f"{np.mean(d[s]):.3f} ± {np.std(d[s], ddof=1) if len(d[s]) > 1 else 0:.3f}"
-            for s in ("val", "test")) + " |")
+            f"{np.mean(d[s]):.3f} ± {np.std(d[s], ddof=1):.3f}" if len(d[s]) > 1
+            else f"{d[s][0]:.3f}" for s in ("val", "test")) + f" | {len(d['val'])} |")
     quality = [s["cam_quality"] for s in per_seed if s.get("cam_quality")]
     if quality:
         lines += ["", "GradCAM pseudo-boxes on D_w (boxes withheld by the protocol): "
