@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from _train_helpers import seed_as_train_net, tree_digest  # shared with test_reliability
+from scipy import stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = ["INPUT.BRAIXDET.CANONICAL_SIZE", "(128, 64)", "INPUT.BRAIXDET.MASK_DOWNSAMPLE", "2"]
@@ -108,6 +109,16 @@ def test_paper_table_over_two_seeds(pipeline_run):
     assert set(cpu) == ROWS and all(v > 0 for v in cpu.values())
     line = next(x for x in md.splitlines() if x.startswith("| BRAIxDet |"))
     assert line.split(" | ")[-1] == f"{cpu['BRAIxDet'] / 60:.1f} |", line
+    assert line.split(" | ")[1] == "2", line  # the seeds column
+    # the p-value row: unpaired one-tailed Welch t-test against the second best row, as scipy
+    second = summary["second_best"]
+    ap = {k: [float(s["results"][k].get("bbox", s["results"][k])["AP20"]) for s in (s0, s1)]
+          for k in ("BRAIxDet", second)}
+    want = stats.ttest_ind(ap["BRAIxDet"], ap[second], equal_var=False, alternative="greater")
+    line = next(x for x in md.splitlines() if x.startswith("| BRAIxDet (p-value vs "))
+    cell = "n/a" if math.isnan(want.pvalue) else f"{want.pvalue:.4f}"
+    cells = [c.strip() for c in line.strip("|").split("|")]  # label, seeds, AP20 p, R@0.5 p
+    assert "one-tailed Welch t-test" in cells[0] and cells[1:3] == ["", cell], line
 
 
 def test_pipeline_produces_every_artefact(pipeline_run):

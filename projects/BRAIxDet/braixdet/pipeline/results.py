@@ -305,8 +305,9 @@ def paper_table(per_seed):
     second = others[0] if OURS in values and others else None
     rows = summarize(values, second or next(iter(values)), METRICS)
     by_label = {r["method"]: r for r in rows}
-    lines = ["| Method | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) | exam AUC (%) | CPU time (min) |",
-             "|---|---|---|---|---|"]
+    # seeds per row: a record may hold rows of different seed counts
+    lines = ["| Method | seeds | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) | exam AUC (%) "
+             "| CPU time (min) |", "|---|---|---|---|---|---|"]
     for label in values:
         r, auc = by_label[label], exam_auc.get(label)
         auc_cell = _mean_std(float(np.mean(auc)), float(np.std(auc, ddof=1)) if len(auc) > 1
@@ -316,12 +317,13 @@ def paper_table(per_seed):
         secs = [s["row_cpu_seconds"][label] for s in per_seed
                 if (s.get("row_cpu_seconds") or {}).get(label) is not None]
         time_cell = f"{np.mean(secs) / 60:.1f}" if secs else "n/a"
-        lines.append(f"| {label} | " + " | ".join(
+        lines.append(f"| {label} | {r['n']} | " + " | ".join(
             _mean_std(r[f"{m}_mean"], r[f"{m}_std"]) for m in METRICS)
             + f" | {auc_cell} | {time_cell} |")
     if second is not None:
         p = [by_label[OURS][f"{m}_p"] for m in METRICS]
-        lines.append(f"| {OURS} (p-value vs {second}, one-tailed t-test) | " + " | ".join(
+        # unpaired, as the paper's tables; the paired tests are experiment_table6's tables
+        lines.append(f"| {OURS} (p-value vs {second}, one-tailed Welch t-test) | | " + " | ".join(
             "n/a" if math.isnan(x) else f"{x:.4f}" for x in p) + " | | |")
 
     cls = OrderedDict()
