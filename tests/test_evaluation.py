@@ -555,3 +555,20 @@ def test_paired_tables_put_each_component_beside_the_papers_sign():
     assert out["components"]["CAM fusion"]["n"] == 0  # no Mean Teacher row: not paired
     assert set(out["ours_vs"]) == {"Faster R-CNN", "Faster R-CNN + MV"}
     assert out["ours_vs"]["Faster R-CNN"]["mean"] == pytest.approx(10.0)
+
+
+def test_paper_table_cells_over_seeds_and_missing_values():
+    """The paper-style table: mean ± std over seeds (ddof 1), the value alone for one seed, and
+    "n/a" where a stage-1 AUC or an exam AUC is missing (a one-class split), never "nan"."""
+    from braixdet.pipeline.results import paper_table
+
+    def seed(ap, val_auc, exam_auc):
+        return {"protocol": {"seed": int(ap)},
+                "results": {"Faster R-CNN": {"bbox": {"AP20": ap, "R@0.5": 60.0},
+                                             "exam_AUC": exam_auc}},
+                "classifiers": {"mvccl": {"val": {"AUC": val_auc}, "test": {"AUC": None}}}}
+
+    md, _ = paper_table([seed(50.0, 0.70, 0.8), seed(54.0, 0.74, None)])
+    assert "| Faster R-CNN | 2 | 52.0 ± 2.8 | 60.0 ± 0.0 | 0.8 | n/a |" in md, md
+    assert "| mvccl | 0.720 ± 0.028 | n/a | 2 |" in md, md
+    assert "nan" not in md

@@ -285,10 +285,18 @@ def format_classifiers(classifiers):
     return "\n".join(lines)
 
 
-def _mean_std(mean, std):
+def _mean_std(mean, std, digits=1):
     if mean is None or math.isnan(mean):
         return "n/a"
-    return f"{mean:.1f} ± {std:.1f}" if not math.isnan(std) else f"{mean:.1f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if not math.isnan(std) else f"{mean:.{digits}f}"
+
+
+def _over_seeds(values, digits=1):
+    """A table cell of per-seed values: mean ± std (ddof 1), the value alone for one seed."""
+    if not values:
+        return "n/a"
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+    return _mean_std(float(np.mean(values)), std, digits)
 
 
 def paper_table(per_seed):
@@ -309,9 +317,7 @@ def paper_table(per_seed):
     lines = ["| Method | seeds | AP@IoU0.2 (%) | Recall@0.5 FPPI (%) | exam AUC (%) "
              "| CPU time (min) |", "|---|---|---|---|---|---|"]
     for label in values:
-        r, auc = by_label[label], exam_auc.get(label)
-        auc_cell = _mean_std(float(np.mean(auc)), float(np.std(auc, ddof=1)) if len(auc) > 1
-                             else float("nan")) if auc else "n/a"
+        r = by_label[label]
         # the row's own stage (training + its evaluation; CPU time, not inflated by other jobs),
         # mean over the seeds that timed it
         secs = [s["row_cpu_seconds"][label] for s in per_seed
@@ -319,7 +325,7 @@ def paper_table(per_seed):
         time_cell = f"{np.mean(secs) / 60:.1f}" if secs else "n/a"
         lines.append(f"| {label} | {r['n']} | " + " | ".join(
             _mean_std(r[f"{m}_mean"], r[f"{m}_std"]) for m in METRICS)
-            + f" | {auc_cell} | {time_cell} |")
+            + f" | {_over_seeds(exam_auc.get(label))} | {time_cell} |")
     if second is not None:
         p = [by_label[OURS][f"{m}_p"] for m in METRICS]
         # unpaired, as the paper's tables; the paired tests are experiment_table6's tables
@@ -336,8 +342,7 @@ def paper_table(per_seed):
     lines += ["", "| Stage-1 classifier | val AUC | test AUC | seeds |", "|---|---|---|---|"]
     for name, d in cls.items():
         lines.append(f"| {name} | " + " | ".join(
-            f"{np.mean(d[s]):.3f} ± {np.std(d[s], ddof=1):.3f}" if len(d[s]) > 1
-            else f"{d[s][0]:.3f}" for s in ("val", "test")) + f" | {len(d['val'])} |")
+            _over_seeds(d[s], digits=3) for s in ("val", "test")) + f" | {len(d['val'])} |")
     quality = [s["cam_quality"] for s in per_seed if s.get("cam_quality")]
     if quality:
         lines += ["", "GradCAM pseudo-boxes on D_w (boxes withheld by the protocol): "
