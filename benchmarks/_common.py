@@ -14,16 +14,21 @@ as ``_common`` (the script's folder is on ``sys.path``).
 """
 import argparse
 import contextlib
+import io
 import os
 import platform
 import resource
 import statistics
 import sys
+import textwrap
 import time
 
 import torch
 
 from braixdet.engine.trainers import Precision
+from braixdet.pipeline.methods import METHODS
+from braixdet.pipeline.results import CEILING, row_metric
+from braixdet.utils.io import atomic_write_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
@@ -432,3 +437,44 @@ def emit(title, text, args):
 def verdict(value, target, higher_is_worse=True):
     ok = value <= target if higher_is_worse else value >= target
     return "PASS" if ok else "MISS"
+
+
+def plot_rows(per_seed, seeds, out_png, rows):
+    """Each row's (``rows``: method keys) AP@0.2 per seed (dots, one colour a seed; a seed
+    without the row has no dot) and its mean (bar), the ceiling's mean as a line when present:
+    where the rows sit against it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def ap(summary, label):
+        m = summary["results"].get(label)
+        return None if m is None else row_metric(m)
+
+    labels = [METHODS[k].label for k in rows]
+    fig = Figure(figsize=(8.5, max(3.8, 0.45 * len(labels) + 1.0)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, label in enumerate(labels):
+        values = [v for v in (ap(s, label) for s in per_seed) if v is not None]
+        if values:
+            ax.barh(i, sum(values) / len(values), color="0.85")
+    for seed, summary in zip(seeds, per_seed):
+        values = [ap(summary, label) for label in labels]
+        ax.plot([float("nan") if v is None else v for v in values], range(len(labels)), "o",
+                ms=5, label=f"seed {seed}")
+    ceiling = [v for v in (ap(s, CEILING) for s in per_seed) if v is not None]
+    if ceiling:
+        ax.axvline(sum(ceiling) / len(ceiling), color="k", ls="--", lw=1,
+                   label="full-label ceiling (mean)")
+    ax.set_yticks(range(len(labels)), [textwrap.fill(t, 28) for t in labels], fontsize=8)
+    ax.invert_yaxis()
+    shown = [v for s in per_seed for v in (ap(s, t) for t in [*labels, CEILING]) if v is not None]
+    ax.set_xlim(min(shown) - 5, max(shown) + 3)  # the bars' left ends are cut: dots matter
+    ax.set_xlabel("AP@IoU0.2 (%), test split; bar: mean over seeds")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the dots
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    atomic_write_bytes(out_png, png.getvalue())  # a record's picture is replaced, never torn
+    return out_png

@@ -24,9 +24,9 @@ as separate processes and a last run over all of them writes the table. Not part
 """
 import argparse
 import os
-import textwrap
 import time
 
+from _common import plot_rows
 from experiment_box_sources import quality_of
 from experiment_demo_data import CANDIDATES
 from experiment_mv_cost import effects_of, effects_table, row_table
@@ -40,7 +40,6 @@ from braixdet.pipeline.results import (
     fmt_cell,
     paired_effect,
     paired_values,
-    row_metric,
     seeds_to_detect,
 )
 from braixdet.pipeline.seeds import run_seeds, seed_args
@@ -137,43 +136,6 @@ def pseudo_quality(out, seeds, rows=DEFAULT_ROWS, ratio="1/8"):
             quality.setdefault(key, {})[seed] = quality_of(
                 run_dir, key, f"_s{seed}", data=f"set F at {ratio}, seed {seed}", fusion_end=end)
     return quality
-
-
-def plot_rows(per_seed, seeds, out_png, rows=DEFAULT_ROWS):
-    """Each row's AP@0.2 per seed (dots, one colour a seed) and its mean (bar), the ceiling's
-    mean as a line when present: where the rows sit against it."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    def ap(summary, label):
-        m = summary["results"].get(label)
-        return None if m is None else row_metric(m)
-
-    labels = [METHODS[k].label for k in rows]
-    fig = Figure(figsize=(8.5, 3.8))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for i, label in enumerate(labels):
-        values = [v for v in (ap(s, label) for s in per_seed) if v is not None]
-        if values:
-            ax.barh(i, sum(values) / len(values), color="0.85")
-    for seed, summary in zip(seeds, per_seed):
-        ax.plot([ap(summary, label) for label in labels], range(len(labels)), "o", ms=5,
-                label=f"seed {seed}")
-    ceiling = [v for v in (ap(s, CEILING) for s in per_seed) if v is not None]
-    if ceiling:
-        ax.axvline(sum(ceiling) / len(ceiling), color="k", ls="--", lw=1,
-                   label="full-label ceiling (mean)")
-    ax.set_yticks(range(len(labels)), [textwrap.fill(t, 28) for t in labels], fontsize=8)
-    ax.invert_yaxis()
-    shown = [v for s in per_seed for v in (ap(s, t) for t in [*labels, CEILING]) if v is not None]
-    ax.set_xlim(min(shown) - 5, max(shown) + 3)  # the bars' left ends are cut: dots matter
-    ax.set_xlabel("AP@IoU0.2 (%), test split; bar: mean over seeds")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the dots
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    return out_png
 
 
 def main(argv=None):

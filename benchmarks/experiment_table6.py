@@ -21,7 +21,8 @@ only what is not done, and a last run without it adds the ceilings. ``--record F
 the finished rows where a fresh machine finds them (a JSON file in the repository, e.g.
 docs/results/): each run adds its seeds' rows to it, refuses a record of other settings, and the
 tables are computed over every seed and row the record holds, so that rows trained in separate
-sessions, on CPU or GPU leases, are paired by seed.
+sessions, on CPU or GPU leases, are paired by seed. <out>/table6.png (and FILE's name with .png
+beside a record) draws each detector row's test AP@0.2 per seed against the ceiling.
 """
 import argparse
 import json
@@ -31,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from _common import cpu_model
+from _common import cpu_model, plot_rows
 from experiment_benchmark_regime import (
     ROW,
     add_regime_arguments,
@@ -218,6 +219,12 @@ def main(argv=None):
             f"mean ± std (ddof=1); {minutes:.1f} min.\n\n{rows_md}\n\n{effects_md}\n"
             + (f"\n```\n{criteria_text(CRITERIA_NAME, criteria)}\n```\n" if criteria else ""))
     atomic_write_text(os.path.join(a.out, "table6.md"), text)
+    plotted = [k for k in ROWS if k != CAM_ONLY
+               and any(METHODS[k].label in s["results"] for s in per_seed)]
+    if plotted:
+        plot_rows(per_seed, seeds, os.path.join(a.out, "table6.png"), plotted)
+        if a.record:  # the record's picture beside it
+            plot_rows(per_seed, seeds, os.path.splitext(a.record)[0] + ".png", plotted)
     atomic_write_json(os.path.join(a.out, "table6.json"),
                       {"regime": record, "seeds": seeds, "ratio": a.ratio, "rows": rows,
                        "effects": effects, "per_seed": [s["results"] for s in per_seed],

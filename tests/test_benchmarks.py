@@ -175,7 +175,7 @@ def test_fusion_bounds_verdict_follows_the_written_criteria(capsys, load_tool, t
         f"{CEILING} | 2 | -4.0 ")
     import cv2
 
-    png = script.plot_rows(per_seed, [0, 1, 2], str(tmp_path / "rows.png"))
+    png = script.plot_rows(per_seed, [0, 1, 2], str(tmp_path / "rows.png"), script.DEFAULT_ROWS)
     assert cv2.imread(png).shape == (456, 1020, 3)  # 8.5 x 3.8 inches at 120 dpi
     # the new row fuses true boxes past any schedule; the paper's window stays on the others
     from braixdet.config import build_cfg
@@ -309,6 +309,10 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     script.main([*argv, "--no-ceiling", "--record", str(record), "--opts", "NUM_THREADS", "1"])
     kept = record.read_bytes()
     entry = json.loads(kept)["seeds"]["0"]
+    import cv2  # the record's picture beside it: the one row, drawn as the run's own
+
+    assert cv2.imread(str(tmp_path / "record.png")).shape == (456, 1020, 3)
+    assert (tmp_path / "record.png").read_bytes() == (tmp_path / "table6.png").read_bytes()
     assert entry["results"] == rows_only["per_seed"][0]
     assert entry["runs"]["Faster R-CNN"]["machine"].endswith(f"({os.cpu_count()} cores)")
     assert entry["runs"]["Faster R-CNN"]["opts"][-2:] == ["NUM_THREADS", "1"]
