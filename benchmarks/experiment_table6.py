@@ -49,7 +49,7 @@ from braixdet.pipeline.launcher import add_launcher_arguments, launch
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 from braixdet.pipeline.results import CEILING, paired_tables, paper_table, row_metric
 from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
-from braixdet.utils.io import atomic_write_json, atomic_write_text
+from braixdet.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 ROWS = [*DEFAULT_METHODS, "stac", "unbiased_teacher", "soft_teacher"]
 CRITERIA_NAME = "Regime criteria (RESULTS §10) on the seeds' means"
@@ -222,9 +222,10 @@ def main(argv=None):
     plotted = [k for k in ROWS if k != CAM_ONLY
                and any(METHODS[k].label in s["results"] for s in per_seed)]
     if plotted:
-        plot_rows(per_seed, seeds, os.path.join(a.out, "table6.png"), plotted)
-        if a.record:  # the record's picture beside it
-            plot_rows(per_seed, seeds, os.path.splitext(a.record)[0] + ".png", plotted)
+        png = plot_rows(per_seed, seeds, os.path.join(a.out, "table6.png"), plotted)
+        if a.record:  # the same picture beside the record, drawn once
+            with open(png, "rb") as f:
+                atomic_write_bytes(os.path.splitext(a.record)[0] + ".png", f.read())
     atomic_write_json(os.path.join(a.out, "table6.json"),
                       {"regime": record, "seeds": seeds, "ratio": a.ratio, "rows": rows,
                        "effects": effects, "per_seed": [s["results"] for s in per_seed],
