@@ -24,6 +24,7 @@ import time
 import numpy as np
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set
 
+from braixdet.config.schedule import stage2_epochs_opts
 from braixdet.engine.hooks import read_export_selection
 from braixdet.model_zoo import config_root
 from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
@@ -51,7 +52,7 @@ def run_args(a, seed, out, methods, det_opts):
         "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
-        "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.det_epochs), *det_opts])
+        "--det-opts", *stage2_epochs_opts(a.det_epochs), *det_opts])
 
 
 def share(src, dst):

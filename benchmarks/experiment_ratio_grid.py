@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from braixdet.config.schedule import stage2_epochs_opts
 from braixdet.model_zoo import config_root
 from braixdet.pipeline.ceiling import run_ceiling, share_stage1, split_ids
 from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
@@ -39,7 +40,7 @@ def run_args(a, protocol, ratio, seed, out, methods):
         "--methods", *methods, "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
-        "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.det_epochs)])
+        "--det-opts", *stage2_epochs_opts(a.det_epochs)])
 
 
 def ratio_table(per_seed, baseline):

@@ -44,6 +44,7 @@ from experiment_benchmark_regime import (
 )
 from experiment_ratio_grid import run_args
 
+from braixdet.config.schedule import stage2_epochs_opts
 from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
 from braixdet.pipeline.launcher import add_launcher_arguments, launch
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
@@ -73,11 +74,20 @@ def opt_pairs(opts):
     return list(zip(opts[::2], opts[1::2]))
 
 
+def cam_fusion_window(a):
+    """Algorithm 2's GradCAM fusion window of the detectors, in epochs of D_w: the paper's share
+    of --det-epochs (run_args) unless --det-opts sets SSL.CAM_FUSION_EPOCHS."""
+    return float(dict(opt_pairs([*stage2_epochs_opts(a.det_epochs), *a.det_opts]))[
+        "SSL.CAM_FUSION_EPOCHS"])
+
+
 def record_settings(a, regime):
-    """What a record's rows must share: the regime and every training setting."""
+    """What a record's rows must share: the regime and every training setting, the fusion
+    window included (rows of another window are other rows: RESULTS §22, 2026-12-01)."""
     return json.loads(json.dumps({
         "regime": regime, "ratio": a.ratio, "size": a.size, "stage1_epochs": a.stage1_epochs,
-        "det_epochs": a.det_epochs, "ceiling_epochs": a.ceiling_epochs,
+        "det_epochs": a.det_epochs, "cam_fusion_epochs": cam_fusion_window(a),
+        "ceiling_epochs": a.ceiling_epochs,
         "opts": [kv for kv in opt_pairs(a.opts) if kv[0] not in EXECUTION_KEYS],
         "stage1_opts": a.stage1_opts, "det_opts": a.det_opts}))
 

@@ -352,6 +352,30 @@ def test_table6_record_pairs_rows_from_separate_runs_by_seed(tmp_path, capsys, l
         script.update_record(path, dict(settings, size=[512, 256]), [], [], b)
 
 
+def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_window(
+        tmp_path, load_tool):
+    """experiment_table6.py at --det-epochs 6: the detectors get Algorithm 2's window at the
+    paper's 2 of 20 epochs (0.6, not the demo config's 0.3), and a record holds the window in
+    its settings, so rows of another window are refused, not paired (RESULTS §22, 2026-12-01)."""
+    import argparse
+
+    script = load_tool("experiment_table6", folder="benchmarks")
+    a = argparse.Namespace(ratio="1/8", size=[256, 128], stage1_epochs=5.0, det_epochs=6.0,
+                           ceiling_epochs=8.0, opts=[], stage1_opts=[], det_opts=[],
+                           root=str(tmp_path), out=str(tmp_path), methods=["braixdet"],
+                           run_dir=str(tmp_path / "r1_8"))
+    det_opts = script.pipeline_args(a).det_opts
+    assert dict(zip(det_opts[::2], det_opts[1::2]))["SSL.CAM_FUSION_EPOCHS"] == "0.6"
+    settings = script.record_settings(a, {"regime": "r"})
+    assert settings["cam_fusion_epochs"] == 0.6
+    path = str(tmp_path / "record.json")
+    script.update_record(path, settings, [], [], {"machine": "m", "opts": [], "recorded": "d"})
+    half = argparse.Namespace(**dict(vars(a), det_opts=["SSL.CAM_FUSION_EPOCHS", "0.3"]))
+    assert script.record_settings(half, {"regime": "r"})["cam_fusion_epochs"] == 0.3
+    with pytest.raises(SystemExit, match="other settings"):
+        script.load_record(path, script.record_settings(half, {"regime": "r"}))
+
+
 def test_table6_record_keeps_each_stage1_classifier_of_a_seed_split_across_runs(tmp_path,
                                                                                 load_tool):
     """A seed's floor and its BRAIxDet row train different stage-1 classifiers in separate runs:

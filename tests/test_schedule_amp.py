@@ -12,7 +12,7 @@ from detectron2.data import DatasetCatalog
 from detectron2.engine.train_loop import HookBase
 
 from braixdet.config import build_cfg, resolve_cfg
-from braixdet.config.schedule import resolve_schedule
+from braixdet.config.schedule import resolve_schedule, stage2_epochs_opts
 from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
 
 
@@ -55,6 +55,30 @@ def test_gradcam_fusion_covers_two_of_twenty_epochs(work):
                                    cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
                                    epochs=cfg.SSL.CAM_FUSION_EPOCHS)
     assert fusion * 10 == out.SOLVER.MAX_ITER
+
+
+def _fusion_iters(cfg):
+    return fusion_iters_from_cfg(len(DatasetCatalog.get(cfg.DATASETS.TRAIN_WEAK[0])),
+                                 cfg.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH,
+                                 epochs=cfg.SSL.CAM_FUSION_EPOCHS,
+                                 override_iters=cfg.SSL.CAM_FUSION_ITERS)
+
+
+@pytest.mark.parametrize("epochs", [3.0, 6.0, 20.0])
+def test_a_changed_schedule_keeps_the_papers_fusion_share(work, epochs):
+    """stage2_epochs_opts, which the experiment scripts and the demo use to set the detectors'
+    epochs, moves Algorithm 2's window with the schedule: 2 of 20 epochs of D_w at any length.
+    The demo config's 0.3 alone, at 6 epochs, was half that share (RESULTS §22, 2026-12-01)."""
+    moved = _cfg(work, "braixdet", ["SOLVER.MAX_ITER", "-1", *stage2_epochs_opts(epochs)])
+    assert moved.SSL.CAM_FUSION_ITERS == -1  # tiny_opts' default: the epochs decide
+    n, batch = len(DatasetCatalog.get(moved.DATASETS.TRAIN_WEAK[0])), \
+        moved.DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH
+    assert _fusion_iters(moved) == math.ceil(epochs / 10 * n / batch - 1e-9)
+    assert resolve_schedule(moved).SOLVER.MAX_ITER == round(epochs * math.ceil(n / batch))
+    kept = _cfg(work, "braixdet", ["SOLVER.MAX_ITER", "-1", "SOLVER.BRAIXDET.EPOCHS",
+                                   str(epochs)])
+    assert kept.SSL.CAM_FUSION_EPOCHS == 0.3  # absolute: the config's own window
+    assert (_fusion_iters(kept) == _fusion_iters(moved)) == (epochs == 3.0)
 
 
 class MetricLog(HookBase):

@@ -5,6 +5,10 @@ Paper defaults (BRAIxDet, §4.3) are the defaults here; demo/test configs shrink
 """
 from detectron2.config import CfgNode as CN
 
+# Paper §4.3: 20 epochs per stage; Algorithm 2 fuses the GradCAM boxes in the first 2 of them
+PAPER_EPOCHS = 20.0
+PAPER_CAM_FUSION_EPOCHS = 2.0
+
 
 def add_braixdet_config(cfg):
     """Add every key BRAIxDet reads. Call once on a fresh `get_cfg()` before merging files."""
@@ -125,7 +129,7 @@ def _add_solver_config(cfg):
     # Schedule in epochs (paper: 20 per stage; see config/schedule.py): used where MAX_ITER <= 0;
     # TEST.EVAL_PERIOD < 0 and CHECKPOINT_PERIOD <= 0 mean once per epoch. resolve_cfg writes
     # the iterations in, so a run's config.yaml records what ran
-    s.EPOCHS = 20.0
+    s.EPOCHS = PAPER_EPOCHS
     cfg.SOLVER.MAX_ITER = -1
     cfg.SOLVER.CHECKPOINT_PERIOD = -1
     # periodic checkpoints kept on disk, the newest (0 = all, detectron2's default): resume reads
@@ -166,7 +170,7 @@ def _add_ssl_config(cfg):
     # View agreement (our choice; 0 = off, the paper): keep a CAM box only if the other view's
     # map exceeds τ within ± this fraction of the breast's depth from the nipple (cam.py)
     s.CAM_VIEW_AGREEMENT = 0.0
-    s.CAM_FUSION_EPOCHS = 2.0  # epochs of D_w with fusion (paper: 2)
+    s.CAM_FUSION_EPOCHS = PAPER_CAM_FUSION_EPOCHS  # epochs of D_w with fusion (paper: 2)
     s.CAM_FUSION_ITERS = -1  # >= 0 overrides CAM_FUSION_EPOCHS, in iterations
     s.PSEUDO_NMS_THRESH = 0.2  # τ_nms when fusing teacher and CAM boxes
     s.NEGATIVE_AS_BACKGROUND = True  # weak label-0 images train as all-background

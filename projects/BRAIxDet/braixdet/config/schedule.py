@@ -27,8 +27,11 @@ from detectron2.data import DatasetCatalog
 from detectron2.engine import DefaultTrainer
 from detectron2.utils import comm
 
+from .defaults import PAPER_CAM_FUSION_EPOCHS, PAPER_EPOCHS
+
 __all__ = ["num_images", "has_weak_images", "iterations_per_epoch", "resolve_schedule",
-           "validation_metric", "ValidationMetric", "metric_mode"]
+           "validation_metric", "ValidationMetric", "metric_mode", "cam_fusion_epochs",
+           "stage2_epochs_opts"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,22 @@ def iterations_per_epoch(cfg):
     if n == 0:
         raise ValueError(f"cannot size an epoch: {list(names)} hold no image")
     return max(1, math.ceil(n / batch)), f"{what}: {n} images / batch {batch}"
+
+
+def cam_fusion_epochs(epochs):
+    """Algorithm 2's GradCAM fusion window for a stage 2 of ``epochs`` epochs of D_w: the
+    paper's share of the schedule (its first 2 of 20 epochs)."""
+    return epochs * PAPER_CAM_FUSION_EPOCHS / PAPER_EPOCHS
+
+
+def stage2_epochs_opts(epochs):
+    """Config overrides that give the detectors ``epochs`` epochs of D_w with the fusion
+    window moved along (``cam_fusion_epochs``). SSL.CAM_FUSION_EPOCHS alone is absolute: a
+    script that changes a config's schedule without it keeps the config's window, e.g. the demo's
+    0.3 epochs (2 of 20 scaled to its 3), half the paper's share at 6 epochs (RESULTS §22)."""
+    # floats as str() writes them: yacs refuses an int literal for a float key
+    return ["SOLVER.BRAIXDET.EPOCHS", str(float(epochs)),
+            "SSL.CAM_FUSION_EPOCHS", str(float(cam_fusion_epochs(epochs)))]
 
 
 def resolve_schedule(cfg):

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ..config import build_cfg, register_datasets
+from ..config.schedule import stage2_epochs_opts
 from ..inference.visualize import dataset_items, load_predictions, render
 from ..model_zoo import config_root, get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
@@ -119,7 +120,7 @@ def pipeline_args(root, out, spec, base, seed, methods=METHODS):
         "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
         "INPUT.BRAIXDET.CACHE_DIR", os.path.join(base, "cache"),  # survives re-runs
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["stage1_epochs"]),
-        "--det-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["det_epochs"])])
+        "--det-opts", *stage2_epochs_opts(spec["det_epochs"])])
 
 
 def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
