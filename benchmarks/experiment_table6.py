@@ -44,7 +44,6 @@ from experiment_benchmark_regime import (
 )
 from experiment_ratio_grid import run_args
 
-from braixdet.config.schedule import stage2_epochs_opts
 from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
 from braixdet.pipeline.launcher import add_launcher_arguments, launch
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
@@ -75,10 +74,9 @@ def opt_pairs(opts):
 
 
 def cam_fusion_window(a):
-    """Algorithm 2's GradCAM fusion window of the detectors, in epochs of D_w: the paper's share
-    of --det-epochs (run_args) unless --det-opts sets SSL.CAM_FUSION_EPOCHS."""
-    return float(dict(opt_pairs([*stage2_epochs_opts(a.det_epochs), *a.det_opts]))[
-        "SSL.CAM_FUSION_EPOCHS"])
+    """Algorithm 2's GradCAM fusion window of the detectors, in epochs of D_w, as the runs get
+    it (the paper's share of --det-epochs unless --det-opts sets SSL.CAM_FUSION_EPOCHS)."""
+    return float(dict(opt_pairs(pipeline_args(a).det_opts))["SSL.CAM_FUSION_EPOCHS"])
 
 
 def record_settings(a, regime):
@@ -205,9 +203,9 @@ def main(argv=None):
         ap.error("--ceiling-epochs must be > 0 (--no-ceiling leaves the ceiling out)")
     a.out, t0 = os.path.abspath(a.out), time.time()
     a.root, record = make_regime(a.regime, parse_sets(a.set), a.out)
+    a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
     if a.record:  # refuse a record of other settings before hours of training
         load_record(a.record, record_settings(a, record))
-    a.run_dir = os.path.join(a.out, "r" + a.ratio.replace("/", "_"))
     args = pipeline_args(a)
     ceiling_epochs = 0 if a.no_ceiling else a.ceiling_epochs
     per_seed = run_parallel(args, a.seeds, a.run_dir, ceiling_epochs) if a.parallel else \
