@@ -22,12 +22,10 @@ import shutil
 import time
 
 import numpy as np
-from experiment_ratio_grid import add_dev_set_arguments, make_dev_set
+from experiment_ratio_grid import add_dev_set_arguments, make_dev_set, run_args
 
-from braixdet.config.schedule import stage2_epochs_opts
 from braixdet.engine.hooks import read_export_selection
-from braixdet.model_zoo import config_root
-from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
+from braixdet.pipeline.core import Pipeline
 from braixdet.pipeline.methods import METHODS, STAGE1
 from braixdet.pipeline.results import METRICS, _flat
 from braixdet.utils.io import atomic_write_json, atomic_write_text
@@ -42,17 +40,6 @@ def threshold_opts(method, t):
         return ["SSL.SOFT_TEACHER_CLS_THRESH", str(t),
                 "SSL.TEACHER_SCORE_THRESH", str(min(t, 0.5))]
     return ["SSL.TEACHER_SCORE_THRESH", str(t)]
-
-
-def run_args(a, seed, out, methods, det_opts):
-    h, w = a.size
-    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
-        "--dataset", "cbis_ddsm", "--root", a.root, "--ratio", a.ratio, "--seed", str(seed),
-        "--out", out, "--configs", os.path.join(config_root(), "demo"), "--methods", *methods,
-        "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
-        "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
-        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
-        "--det-opts", *stage2_epochs_opts(a.det_epochs), *det_opts])
 
 
 def share(src, dst):
@@ -96,7 +83,7 @@ def main(argv=None):
                 methods = ["faster_rcnn", method] if method == "stac" else [method]
                 print(f"\n##### seed {seed}, {method}, threshold {t:g} "
                       f"({(time.time() - t0) / 60:.1f} min so far)", flush=True)
-                summary = Pipeline(run_args(a, seed, run_dir, methods,
+                summary = Pipeline(run_args(a, "partial", a.ratio, seed, run_dir, methods,
                                             threshold_opts(method, t))).run_all()
                 done.append(run_dir)
                 test = _flat(summary["results"][METHODS[method].label])

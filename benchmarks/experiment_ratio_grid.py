@@ -23,24 +23,18 @@ import time
 
 import numpy as np
 
-from braixdet.config.schedule import stage2_epochs_opts
-from braixdet.model_zoo import config_root
 from braixdet.pipeline.ceiling import run_ceiling, share_stage1, split_ids
-from braixdet.pipeline.core import Pipeline, add_pipeline_arguments
+from braixdet.pipeline.core import Pipeline, demo_config_args
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import METRICS, summarize
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 
-def run_args(a, protocol, ratio, seed, out, methods):
-    h, w = a.size
-    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
-        "--dataset", "cbis_ddsm", "--root", a.root, "--protocol", protocol, "--ratio", ratio,
-        "--seed", str(seed), "--out", out, "--configs", os.path.join(config_root(), "demo"),
-        "--methods", *methods, "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
-        "INPUT.BRAIXDET.CACHE_DIR", os.path.join(os.path.abspath(a.out), "cache"),
-        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(a.stage1_epochs),
-        "--det-opts", *stage2_epochs_opts(a.det_epochs)])
+def run_args(a, protocol, ratio, seed, out, methods, det_opts=()):
+    return demo_config_args(a.root, out, size=a.size, stage1_epochs=a.stage1_epochs,
+                            det_epochs=a.det_epochs, seed=seed, ratio=ratio, protocol=protocol,
+                            methods=methods, det_opts=det_opts,
+                            cache_dir=os.path.join(os.path.abspath(a.out), "cache"))
 
 
 def ratio_table(per_seed, baseline):

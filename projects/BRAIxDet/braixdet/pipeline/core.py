@@ -13,6 +13,7 @@ best-on-validation export. A stage is done when its done-marker exists (written 
 killed or stopped pipeline re-run continues: finished stages are skipped and training stages
 resume from their last checkpoint.
 """
+import argparse
 import os
 import resource
 import sys
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 from detectron2.data import DatasetCatalog
 
 from ..config import build_cfg, ratio_string, resolve_cfg
+from ..config.schedule import stage2_epochs_opts
 from ..data.protocols import PROTOCOLS
 from ..data.register import RegistrationSpec, dataset_names, register_from_cfg
 from ..engine.trainers import EXPORT_NAME
-from ..model_zoo import resolve_config_root
+from ..model_zoo import config_root, resolve_config_root
 from ..utils.io import atomic_write_json
 from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
 from .results import (
@@ -63,6 +65,21 @@ def add_pipeline_arguments(ap, root_required=True):
     ap.add_argument("--stage1-opts", nargs="*", default=[], help="overrides for stage 1")
     ap.add_argument("--det-opts", nargs="*", default=[], help="overrides for the detectors")
     return ap
+
+
+def demo_config_args(root, out, *, size, stage1_epochs, det_epochs, cache_dir, seed=0,
+                     ratio="1/8", protocol="partial", methods=("braixdet",), det_opts=()):
+    """One pipeline run's arguments on the demo configs read at ``size`` (h, w), with stage 1's
+    and the detectors' schedules in epochs (the fusion window moved along) and a shared image
+    cache: what the demo and every benchmark script run."""
+    h, w = size
+    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
+        "--dataset", "cbis_ddsm", "--root", root, "--protocol", protocol, "--ratio", ratio,
+        "--seed", str(seed), "--out", out, "--configs", os.path.join(config_root(), "demo"),
+        "--methods", *methods, "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
+        "INPUT.BRAIXDET.CACHE_DIR", cache_dir,
+        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(stage1_epochs),
+        "--det-opts", *stage2_epochs_opts(det_epochs), *det_opts])
 
 
 def _children_cpu_seconds():

@@ -9,7 +9,6 @@
 3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
    in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
 """
-import argparse
 import json
 import os
 import shutil
@@ -18,12 +17,11 @@ import time
 import numpy as np
 
 from ..config import build_cfg, register_datasets
-from ..config.schedule import stage2_epochs_opts
 from ..inference.visualize import dataset_items, load_predictions, render
-from ..model_zoo import config_root, get_config_file
+from ..model_zoo import get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
 from .ceiling import add_ceiling
-from .core import Pipeline, add_pipeline_arguments
+from .core import Pipeline, demo_config_args
 from .results import CEILING, format_classifiers, format_table
 from .seeds import DEFAULT_METHODS, NOT_RANKED, run_seeds, seed_args, write_experiments
 
@@ -112,15 +110,9 @@ def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
 
 
 def pipeline_args(root, out, spec, base, seed, methods=METHODS):
-    h, w = spec["size"]
-    return add_pipeline_arguments(argparse.ArgumentParser()).parse_args([
-        "--dataset", "cbis_ddsm", "--root", root, "--ratio", "1/8", "--seed", str(seed),
-        "--out", out, "--configs", os.path.join(config_root(), "demo"),
-        "--methods", *methods, "--num-gpus", "1",
-        "--opts", "INPUT.BRAIXDET.CANONICAL_SIZE", f"({h}, {w})",
-        "INPUT.BRAIXDET.CACHE_DIR", os.path.join(base, "cache"),  # survives re-runs
-        "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(spec["stage1_epochs"]),
-        "--det-opts", *stage2_epochs_opts(spec["det_epochs"])])
+    return demo_config_args(root, out, size=spec["size"], stage1_epochs=spec["stage1_epochs"],
+                            det_epochs=spec["det_epochs"], seed=seed, methods=methods,
+                            cache_dir=os.path.join(base, "cache"))  # survives re-runs
 
 
 def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
