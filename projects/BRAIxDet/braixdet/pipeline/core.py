@@ -67,8 +67,8 @@ def add_pipeline_arguments(ap, root_required=True):
     return ap
 
 
-def demo_config_args(root, out, *, size, stage1_epochs, det_epochs, cache_dir, seed=0,
-                     ratio="1/8", protocol="partial", methods=("braixdet",), det_opts=()):
+def demo_config_args(root, out, *, size, stage1_epochs, det_epochs, cache_dir, methods, seed=0,
+                     ratio="1/8", protocol="partial", det_opts=()):
     """One pipeline run's arguments on the demo configs read at ``size`` (h, w), with stage 1's
     and the detectors' schedules in epochs (the fusion window moved along) and a shared image
     cache: what the demo and every benchmark script run."""
