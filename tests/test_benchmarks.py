@@ -21,6 +21,12 @@ CASES = {
     "benchmark_exam_inference": [*TINY, "--repeats", "1", "--warmup", "0", "--compare-amp"],
     "benchmark_evaluator": ["--images", "40", "--dets", "10", "--repeat", "1"],
 }
+# a detector with random weights sends every top-k proposal to the ROI heads, and bf16 kernels
+# on a CPU are slow: few proposals keep these smoke runs short (every code path still runs)
+FEW_PROPOSALS = ["MODEL.RPN.PRE_NMS_TOPK_TRAIN", "100", "MODEL.RPN.POST_NMS_TOPK_TRAIN", "50",
+                 "MODEL.RPN.PRE_NMS_TOPK_TEST", "100", "MODEL.RPN.POST_NMS_TOPK_TEST", "50",
+                 "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "32"]
+OPTS = {"benchmark_ssl_iteration": FEW_PROPOSALS, "benchmark_exam_inference": FEW_PROPOSALS}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -30,6 +36,8 @@ def test_benchmark_runs_through_main(name, monkeypatch, tmp_path, capsys, load_t
     args = [*CASES[name]] + ([] if name == "benchmark_evaluator" else ["--device", "cpu"])
     if name not in ("benchmark_preprocess", "benchmark_evaluator"):
         args += ["--out", str(out)]
+    if name in OPTS:  # --opts takes the rest of the line
+        args += ["--opts", *OPTS[name]]
     monkeypatch.setattr(sys, "argv", [name + ".py", *args])
     load_tool(name, folder="benchmarks").main()
     text = capsys.readouterr().out
