@@ -623,15 +623,15 @@ def _task_of(controller_pid):
 
 def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pipeline_run,
                                                                             tmp_path, capsys):
-    """Issue 32: a grid of 2 seeds x 1 row (Faster R-CNN, so seed 1 trains only its classifier
-    and detector) run in process (run_experiments; seed 0's stages copied from pipeline_run),
-    then the same grid with the package installed non-editable in a fresh environment, from a
-    folder outside the repository, as ``python -m braixdet.pipeline.experiments --launcher
-    local``, starting from copies of the in-process run's done stages without seed 1's Faster
-    R-CNN. Only that stage's job and the summary job run (done stages are not submitted); the
-    job gets submitit's preemption signal after its first checkpoint, is requeued and resumes
-    from it; the table equals the in-process run's (the same numbers: the resumed data order
-    replays)."""
+    """Issue 32: a grid of 1 seed x 1 row (Faster R-CNN), its stages copied from pipeline_run
+    and summarised in process (run_experiments: nothing to train), then the same grid with the
+    package installed non-editable in a fresh environment, from a folder outside the
+    repository, as ``python -m braixdet.pipeline.experiments --launcher local``, starting from
+    copies of those stages without Faster R-CNN's. Only that stage's job and the summary job run
+    (done stages are not submitted); the job gets submitit's preemption signal after its first
+    checkpoint, is requeued and resumes from it; the table equals the in-process run's (the
+    same numbers: the resumed data order replays). The summary over several seeds is
+    test_paper_table_over_two_seeds's, the job graph of several seeds the dry run's."""
     import re
     import shutil
     import signal
@@ -643,18 +643,17 @@ def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pip
     ref = tmp_path / "inprocess"
     shutil.copytree(pipeline_run["out"], ref / "s0", symlinks=True)
     experiments.run(experiments.parse_args([*pipeline_argv(pipeline_run["root"], ref, grid),
-                                            "--seeds", "0", "1"]))
+                                            "--seeds", "0"]))
     capsys.readouterr()
-    assert json.loads((ref / "summary.json").read_text())["seeds"] == [0, 1]
+    assert json.loads((ref / "summary.json").read_text())["seeds"] == [0]
 
     python, site_dir = _fresh_install(tmp_path)
     exp = tmp_path / "exp"
-    missing = exp / "s1" / "faster_rcnn"
-    for seed in ("s0", "s1"):
-        shutil.copytree(ref / seed, exp / seed, symlinks=True)
+    missing = exp / "s0" / "faster_rcnn"
+    shutil.copytree(ref / "s0", exp / "s0", symlinks=True)
     shutil.rmtree(missing)
-    shutil.rmtree(exp / "s1" / "logs")
-    (exp / "s1" / "results.json").unlink()  # the summary job writes it again
+    (exp / "s0" / "logs" / "faster_rcnn.log").unlink()  # the requeued run writes it again
+    (exp / "s0" / "results.json").unlink()  # the summary job writes it again
     argv = pipeline_argv(pipeline_run["root"], exp, grid)
     argv[argv.index("--configs") + 1] = "demo"  # the packaged configs
     elsewhere = tmp_path / "elsewhere"
@@ -663,7 +662,7 @@ def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pip
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [python, "-m", "braixdet.pipeline.experiments", "--seeds", "0", "1", *argv,
+            [python, "-m", "braixdet.pipeline.experiments", "--seeds", "0", *argv,
              "--launcher", "local", "--gpus-per-job", "0", "--timeout-min", "20"],
             cwd=elsewhere, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
@@ -671,7 +670,7 @@ def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pip
             while not (missing / "last_checkpoint").exists():
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
                 time.sleep(0.05)
-            job = int(re.search(r"\[s1/faster_rcnn\] local job (\d+)", log.read_text())[1])
+            job = int(re.search(r"\[s0/faster_rcnn\] local job (\d+)", log.read_text())[1])
             os.kill(_task_of(job), signal.SIGUSR2)  # what submitit's controller sends at timeout
             assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
         finally:
@@ -679,26 +678,26 @@ def test_local_launcher_from_an_installed_package_requeues_to_the_same_table(pip
                 proc.kill()
     text = log.read_text()
     jobs = [line for line in text.splitlines() if "local job" in line]
-    assert [j.split("]")[0] for j in jobs] == ["=== [s1/faster_rcnn", "=== [summary"], text
+    assert [j.split("]")[0] for j in jobs] == ["=== [s0/faster_rcnn", "=== [summary"], text
     job_log = (exp / "submitit" / str(job) / f"{job}_0_log.out").read_text()
     assert "Requeued job" in job_log, job_log[-2000:]
-    stage_log = (exp / "s1" / "logs" / "faster_rcnn.log").read_text()  # the requeued run's
+    stage_log = (exp / "s0" / "logs" / "faster_rcnn.log").read_text()  # the requeued run's
     start = re.search(r"Starting training from iteration (\d+)", stage_log)
     assert start and int(start.group(1)) > 0, stage_log[-2000:]
     # done stages were not run again; the installed package's own configs were used
     done = sorted(str(p.relative_to(ref)) for p in ref.glob("s*/*/stage_done.json"))
-    assert "s1/classifier_single_view/stage_done.json" in done, done
+    assert "s0/classifier_single_view/stage_done.json" in done, done
     for marker in done:
-        if marker != "s1/faster_rcnn/stage_done.json":
+        if marker != "s0/faster_rcnn/stage_done.json":
             assert (exp / marker).read_bytes() == (ref / marker).read_bytes(), marker
     marker = json.loads((missing / "stage_done.json").read_text())
     assert marker["config"].startswith(os.path.join(site_dir, "braixdet", "configs", "demo"))
     # as text: a one-class split's AUC is NaN (!= NaN)
-    assert json.dumps(json.loads((exp / "s1" / "results.json").read_text())["results"]) == \
-        json.dumps(json.loads((ref / "s1" / "results.json").read_text())["results"])
+    assert json.dumps(json.loads((exp / "s0" / "results.json").read_text())["results"]) == \
+        json.dumps(json.loads((ref / "s0" / "results.json").read_text())["results"])
     ours = json.loads((exp / "summary.json").read_text())
     want = json.loads((ref / "summary.json").read_text())
-    assert ours["seeds"] == [0, 1] and all(r["n"] == 2 for r in ours["rows"])
+    assert ours["seeds"] == [0] and all(r["n"] == 1 for r in ours["rows"])
     for key in ("rows", "second_best", "classifiers"):
         assert json.dumps(ours[key]) == json.dumps(want[key]), key
 
