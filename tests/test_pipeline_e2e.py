@@ -293,7 +293,7 @@ def test_predict_boxes_land_on_lesions_after_brief_training(synthetic_root, tmp_
             "DATASETS.BRAIXDET.SPLIT_DIR", str(tmp_path / "splits"),
             "INPUT.BRAIXDET.CACHE_DIR", str(tmp_path / "cache"), "OUTPUT_DIR", str(tmp_path / "o"),
             "SSL.ENABLED", "False", "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", *SIZE,
-            "INPUT.BRAIXDET.AUG.ENABLED", "False", "SOLVER.MAX_ITER", "80",
+            "INPUT.BRAIXDET.AUG.ENABLED", "False", "SOLVER.MAX_ITER", "50",
             "SOLVER.BASE_LR", "0.002", "SOLVER.WARMUP_ITERS", "5", "SOLVER.IMS_PER_BATCH", "4",
             "SOLVER.CHECKPOINT_PERIOD", "1000", "TEST.EVAL_PERIOD", "0"]
     cfg = build_cfg(os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"), opts)
