@@ -20,6 +20,11 @@ CONFIGS = {
     "faster_rcnn": os.path.join(REPO, "configs", "demo", "baselines", "faster_rcnn.yaml"),
 }
 
+# the tiny detectors' proposal budget: a detector sends every top-k proposal to the ROI heads,
+# and with random weights nearly all survive NMS; 50 keep a CPU step short
+FEW_PROPOSALS = ["MODEL.RPN.PRE_NMS_TOPK_TRAIN", "200", "MODEL.RPN.POST_NMS_TOPK_TRAIN", "50",
+                 "MODEL.RPN.PRE_NMS_TOPK_TEST", "200", "MODEL.RPN.POST_NMS_TOPK_TEST", "50",
+                 "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "32"]
 
 def tiny_opts(root, out, cache_dir, stage="braixdet", max_iter=4, ckpt_period=100,
               eval_period=0, init_from="", cam_json="", cam_iters=-1, extra=()):
@@ -50,12 +55,8 @@ def tiny_opts(root, out, cache_dir, stage="braixdet", max_iter=4, ckpt_period=10
         opts += [
             "DATALOADER.BRAIXDET.WEAK_IMS_PER_BATCH", "2",
             "MODEL.FPN.OUT_CHANNELS", "32",
-            "MODEL.RPN.PRE_NMS_TOPK_TRAIN", "200",
-            "MODEL.RPN.POST_NMS_TOPK_TRAIN", "50",
-            "MODEL.RPN.PRE_NMS_TOPK_TEST", "200",
-            "MODEL.RPN.POST_NMS_TOPK_TEST", "50",
+            *FEW_PROPOSALS,
             "MODEL.RPN.BATCH_SIZE_PER_IMAGE", "64",
-            "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "32",
             "MODEL.ROI_BOX_HEAD.FC_DIM", "64",
             "TEST.DETECTIONS_PER_IMAGE", "20",
             "TEST.BRAIXDET.SAVE_PLOTS", "False",

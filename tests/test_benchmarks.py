@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from _train_helpers import FEW_PROPOSALS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--size", "128", "64"]
@@ -21,11 +22,8 @@ CASES = {
     "benchmark_exam_inference": [*TINY, "--repeats", "1", "--warmup", "0", "--compare-amp"],
     "benchmark_evaluator": ["--images", "40", "--dets", "10", "--repeat", "1"],
 }
-# a detector with random weights sends every top-k proposal to the ROI heads, and bf16 kernels
-# on a CPU are slow: few proposals keep these smoke runs short (every code path still runs)
-FEW_PROPOSALS = ["MODEL.RPN.PRE_NMS_TOPK_TRAIN", "100", "MODEL.RPN.POST_NMS_TOPK_TRAIN", "50",
-                 "MODEL.RPN.PRE_NMS_TOPK_TEST", "100", "MODEL.RPN.POST_NMS_TOPK_TEST", "50",
-                 "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "32"]
+# bf16 kernels on a CPU are slow: the tiny detectors' proposal budget keeps these smoke runs
+# short (every code path still runs)
 OPTS = {"benchmark_ssl_iteration": FEW_PROPOSALS, "benchmark_exam_inference": FEW_PROPOSALS}
 
 
