@@ -54,8 +54,12 @@ from braixdet.utils.io import atomic_write_bytes, atomic_write_json, atomic_writ
 ROWS = [*DEFAULT_METHODS, "stac", "unbiased_teacher", "soft_teacher"]
 CRITERIA_NAME = "Regime criteria (RESULTS §10) on the seeds' means"
 # --opts keys that say where a run executes, not what it trains: rows run with other values
-# still belong to one record (each row keeps its own values beside its machine)
-EXECUTION_KEYS = ("MODEL.DEVICE", "DATALOADER.NUM_WORKERS", "NUM_THREADS")
+# still belong to one record (each row keeps its own values beside its machine). How often a
+# run is checkpointed is one of them: a run resumed from any checkpoint ends with the weights
+# of one never checkpointed (tests/test_reliability.py), so a CPU row split across sessions
+# can bank its progress more often than once an epoch.
+EXECUTION_KEYS = ("MODEL.DEVICE", "DATALOADER.NUM_WORKERS", "NUM_THREADS",
+                  "SOLVER.CHECKPOINT_PERIOD")
 # what a seed's summary carries into the record besides its rows (first run's value is kept)
 SEED_FIELDS = ("cam_quality", "protocol")
 

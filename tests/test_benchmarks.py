@@ -374,6 +374,9 @@ def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_win
     assert dict(zip(det_opts[::2], det_opts[1::2]))["SSL.CAM_FUSION_EPOCHS"] == "0.6"
     settings = script.record_settings(a, {"regime": "r"})
     assert settings["cam_fusion_epochs"] == 0.6
+    # how often a run is checkpointed changes no weight: its rows belong to the same record
+    banked = argparse.Namespace(**dict(vars(a), opts=["SOLVER.CHECKPOINT_PERIOD", "100"]))
+    assert script.record_settings(banked, {"regime": "r"}) == settings
     path = str(tmp_path / "record.json")
     script.update_record(path, settings, [], [], {"machine": "m", "opts": [], "recorded": "d"})
     half = argparse.Namespace(**dict(vars(a), det_opts=["SSL.CAM_FUSION_EPOCHS", "0.3"]))
