@@ -77,6 +77,11 @@ def opt_pairs(opts):
     return list(zip(opts[::2], opts[1::2]))
 
 
+def setting_opts(opts):
+    """A KEY VALUE list without the execution keys: how a run executed is not a setting."""
+    return [x for kv in opt_pairs(opts) if kv[0] not in EXECUTION_KEYS for x in kv]
+
+
 def cam_fusion_window(a):
     """Algorithm 2's GradCAM fusion window of the detectors, in epochs of D_w, as the runs get
     it (the paper's share of --det-epochs unless --det-opts sets SSL.CAM_FUSION_EPOCHS)."""
@@ -90,8 +95,8 @@ def record_settings(a, regime):
         "regime": regime, "ratio": a.ratio, "size": a.size, "stage1_epochs": a.stage1_epochs,
         "det_epochs": a.det_epochs, "cam_fusion_epochs": cam_fusion_window(a),
         "ceiling_epochs": a.ceiling_epochs,
-        "opts": [kv for kv in opt_pairs(a.opts) if kv[0] not in EXECUTION_KEYS],
-        "stage1_opts": a.stage1_opts, "det_opts": a.det_opts}))
+        "opts": opt_pairs(setting_opts(a.opts)),
+        "stage1_opts": setting_opts(a.stage1_opts), "det_opts": setting_opts(a.det_opts)}))
 
 
 def machine(opts):

@@ -377,6 +377,9 @@ def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_win
     # how often a run is checkpointed changes no weight: its rows belong to the same record
     banked = argparse.Namespace(**dict(vars(a), opts=["SOLVER.CHECKPOINT_PERIOD", "100"]))
     assert script.record_settings(banked, {"regime": "r"}) == settings
+    threaded = argparse.Namespace(**dict(vars(a), stage1_opts=["NUM_THREADS", "2"],
+                                         det_opts=["DATALOADER.NUM_WORKERS", "1"]))
+    assert script.record_settings(threaded, {"regime": "r"}) == settings
     path = str(tmp_path / "record.json")
     script.update_record(path, settings, [], [], {"machine": "m", "opts": [], "recorded": "d"})
     half = argparse.Namespace(**dict(vars(a), det_opts=["SSL.CAM_FUSION_EPOCHS", "0.3"]))
