@@ -586,6 +586,31 @@ def test_a_method_that_needs_another_methods_export_runs_after_it(monkeypatch, t
                                                           "model_export.pth")
 
 
+
+def test_a_resumed_stage_reports_the_time_of_its_earlier_attempts(monkeypatch, tmp_path):
+    """A stage trained across sessions: its done-marker's run time (the table's CPU-time column)
+    adds what the attempts before its resume spent, as train_net's TrainingTimeHook hands it on,
+    to the last attempt's own."""
+    from braixdet.engine.hooks import TrainingTimeHook
+    from braixdet.pipeline import Pipeline
+    from braixdet.pipeline.stages import done_marker, read_json
+
+    def resumed_stage(name, cmd, log_path):  # train_net resuming at iteration 300
+        out = cmd[cmd.index("OUTPUT_DIR") + 1]
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, TrainingTimeHook.EARLIER_ATTEMPTS), "w") as f:
+            json.dump({"from_iteration": 300, "seconds": 2000.0, "cpu_seconds": 3000.0}, f)
+
+    monkeypatch.setattr("braixdet.pipeline.core.run_stage", resumed_stage)
+    pipe = Pipeline(__import__("argparse").Namespace(
+        dataset="cbis_ddsm", root=str(tmp_path), csv="", protocol="partial", ratio="1/8",
+        seed=0, out=str(tmp_path / "o"), configs=os.path.join(REPO, "configs", "demo"),
+        methods=["braixdet"], num_gpus=1, num_machines=1, machine_rank=0, dist_url="auto",
+        opts=[], stage1_opts=[], det_opts=[]))
+    marker = read_json(done_marker(pipe.train("braixdet", "c.yaml", [])))
+    assert 2000.0 <= marker["seconds"] < 2010.0
+    assert 3000.0 <= marker["cpu_seconds"] < 3010.0
+
 # ------------------------------------------------------------------ cluster launcher (issue 32)
 def _fresh_install(tmp_path):
     """A fresh virtual environment holding braixdet installed non-editable (pip builds it from a

@@ -32,6 +32,7 @@ from detectron2.modeling import build_model
 
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.engine.checkpoint import AtomicCheckpointer
+from braixdet.engine.hooks import TrainingTimeHook
 from braixdet.ssl.ema import unwrap
 from braixdet.utils.checkpoint import load_inference_weights
 
@@ -124,11 +125,17 @@ def test_sigkill_then_resume_matches_uninterrupted_run(work, stage, seed):
     assert kill_after <= done < KILL_ITERS - 1
     assert not (out / "model_final.pth").exists()
 
+    carried = load_ckpt(out / f"model_{done:07d}.pth")["trainer"]["hooks"]["TrainingTimeHook"]
     log = run_checked(train_net_cmd(stage, opts, "--resume"))
     m = re.search(r"Starting training from iteration (\d+)", log)
     assert m and int(m.group(1)) == done + 1, log[-3000:]
     resumed = load_ckpt(out / "model_final.pth")
     assert resumed["iteration"] == KILL_ITERS - 1
+    # the killed attempt's time up to its checkpoint is handed on for the stage's run time
+    earlier = json.loads((out / TrainingTimeHook.EARLIER_ATTEMPTS).read_text())
+    assert earlier == {"from_iteration": done + 1, **carried} and carried["cpu_seconds"] > 0
+    total = resumed["trainer"]["hooks"]["TrainingTimeHook"]
+    assert total["cpu_seconds"] > carried["cpu_seconds"] and total["seconds"] > carried["seconds"]
 
     ref = build_trainer(stage, opts_for(work.dir / f"straight_{stage}"))
     ref.train()

@@ -23,6 +23,9 @@ Wiring (the trainer's side):
 """
 import logging
 import math
+import os
+import resource
+import time
 
 import detectron2.utils.comm as comm
 import torch
@@ -30,8 +33,10 @@ from detectron2.engine.hooks import LRScheduler as LRSchedulerHook
 from detectron2.engine.train_loop import HookBase
 
 from ..utils.checkpoint import atomic_torch_save, safe_torch_load
+from ..utils.io import atomic_write_json
 
-__all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "check_finite_losses"]
+__all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "TrainingTimeHook",
+           "check_finite_losses"]
 
 logger = logging.getLogger(__name__)
 
@@ -295,3 +300,42 @@ def read_export_selection(path):
     """The ``selected`` record a ``BestExportHook`` saved beside the weights in ``path``:
     {iteration, metric, value} (an empty dict for an export without one)."""
     return safe_torch_load(path).get("selected", {})
+
+
+def _process_cpu_seconds():
+    """CPU time of this process's threads and of its children that have ended."""
+    return sum(getattr(resource.getrusage(who), f) for who in
+               (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+
+
+class TrainingTimeHook(HookBase):
+    """Carries a stage's run time across resumes: its state, saved in every checkpoint, is the
+    wall and CPU time spent up to that checkpoint (this attempt's plus what the checkpoint it
+    resumed from carried). At the start of training it writes what it carried in, the time of
+    the earlier attempts, to ``OUTPUT_DIR/EARLIER_ATTEMPTS``: whoever times the stage's process
+    adds it, so a row trained across sessions reports its whole cost, not its last segment.
+    Counted for rank 0's process; time after the last checkpoint of a stopped attempt is lost
+    work and is not counted."""
+
+    EARLIER_ATTEMPTS = "earlier_attempts_time.json"
+
+    def __init__(self, output_dir):
+        self.output_dir = output_dir
+        self.carried = {"seconds": 0.0, "cpu_seconds": 0.0}
+        self._start = None
+
+    def before_train(self):
+        self._start = {"seconds": time.perf_counter(), "cpu_seconds": _process_cpu_seconds()}
+        if comm.is_main_process():
+            atomic_write_json(os.path.join(self.output_dir, self.EARLIER_ATTEMPTS),
+                              {"from_iteration": int(self.trainer.start_iter), **self.carried},
+                              indent=1)
+
+    def state_dict(self):
+        if self._start is None:
+            return dict(self.carried)
+        now = {"seconds": time.perf_counter(), "cpu_seconds": _process_cpu_seconds()}
+        return {k: self.carried[k] + now[k] - self._start[k] for k in self.carried}
+
+    def load_state_dict(self, state_dict):
+        self.carried = {k: float(state_dict[k]) for k in self.carried}

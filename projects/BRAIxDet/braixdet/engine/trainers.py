@@ -61,7 +61,7 @@ from ..ssl.pseudo_quality import QualityWindow
 from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
 from ..utils.checkpoint import safe_torch_load
 from .checkpoint import AtomicCheckpointer
-from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook
+from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook, TrainingTimeHook
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +400,7 @@ class BRAIxTrainerBase(DefaultTrainer):
         # after the evaluation they read; before the checkpointer, so that a checkpoint taken
         # at an evaluation iteration holds their decisions (exact resume)
         ret.extend(self.validation_hooks())
+        ret.append(TrainingTimeHook(cfg.OUTPUT_DIR))  # before the checkpointer: saved up to date
         if comm.is_main_process():
             kept = cfg.SOLVER.BRAIXDET.CHECKPOINTS_KEPT
             ret.append(d2_hooks.PeriodicCheckpointer(self.checkpointer,

@@ -26,6 +26,7 @@ from ..config import build_cfg, ratio_string, resolve_cfg
 from ..config.schedule import stage2_epochs_opts
 from ..data.protocols import PROTOCOLS
 from ..data.register import RegistrationSpec, dataset_names, register_from_cfg
+from ..engine.hooks import TrainingTimeHook
 from ..engine.trainers import EXPORT_NAME
 from ..model_zoo import config_root, resolve_config_root
 from ..utils.io import atomic_write_json
@@ -210,6 +211,11 @@ class Pipeline:
             # --resume: a re-run after a crash or a stop continues from <out>/last_checkpoint
             self.run(name, [*self.tool("train_net"), "--config-file", config, "--resume",
                             *self.launch_args(), *self.common, "OUTPUT_DIR", out, *opts])
+            # a resumed stage: add the time its earlier attempts spent up to the checkpoint
+            earlier_path = os.path.join(out, TrainingTimeHook.EARLIER_ATTEMPTS)
+            earlier = read_json(earlier_path) if os.path.exists(earlier_path) else {}
+            for key, timings in (("seconds", self.timings), ("cpu_seconds", self.cpu_timings)):
+                timings[name] = round(timings[name] + earlier.get(key, 0.0), 1)
             mark_done(out, stage=name, config=config, **self.timed(name))
         return out
 
