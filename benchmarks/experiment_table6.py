@@ -119,6 +119,16 @@ def load_record(path, settings):
     return record
 
 
+def started_from(label, summary):
+    """The stage-1 classifier a row started from and its test AUC in this run: rows of one seed
+    from other runs may start from other exports of it (RESULTS §22, 2026-12-03)."""
+    inits = {m.label: m.init for m in METHODS.values()}
+    inits[CEILING] = METHODS["faster_rcnn"].init  # the ceiling copies the run's classifier
+    name = inits.get(label, "mvccl")  # the CAM-only rows score BRAIxMVCCL's maps
+    test = ((summary.get("classifiers") or {}).get(name) or {}).get("test") or {}
+    return {"stage1": {"classifier": name, "test_AUC": test["AUC"]}} if "AUC" in test else {}
+
+
 def update_record(path, settings, seeds, per_seed, run):
     """Adds each seed's rows to the record at ``path`` and returns its seeds' summaries, sorted
     by seed. A row already recorded keeps its recorded value (this run's is printed beside it
@@ -141,7 +151,7 @@ def update_record(path, settings, seeds, per_seed, run):
                       f"({entry['runs'][label]['machine']}), this run {row_metric(metrics):.2f} "
                       f"({run['machine']}); the recorded row is kept", flush=True)
                 continue
-            entry["runs"].setdefault(label, run)
+            entry["runs"].setdefault(label, {**run, **started_from(label, summary)})
             seconds = (summary.get("row_cpu_seconds") or {}).get(label)
             entry["row_cpu_seconds"].setdefault(label, seconds)
     atomic_write_json(path, record, indent=1)

@@ -392,7 +392,8 @@ def test_table6_record_keeps_each_stage1_classifier_of_a_seed_split_across_runs(
                                                                                 load_tool):
     """A seed's floor and its BRAIxDet row train different stage-1 classifiers in separate runs:
     the record keeps both (the first value of each), and the stage-1 table says how many seeds
-    each mean is over, with no spread for one."""
+    each mean is over, with no spread for one; each row's run names the export it started from."""
+    from braixdet.pipeline.methods import METHODS
     from braixdet.pipeline.results import paper_table
 
     script = load_tool("experiment_table6", folder="benchmarks")
@@ -416,6 +417,17 @@ def test_table6_record_keeps_each_stage1_classifier_of_a_seed_split_across_runs(
     md, _ = paper_table(per_seed)
     assert "| classifier_single_view | 0.650 ± 0.071 | 0.600 ± 0.071 | 2 |" in md
     assert "| mvccl | 0.800 | 0.750 | 1 |" in md
+    # each row names the export it started from, which the seed's first one need not be
+    runs = per_seed[0]["runs"]
+    assert runs["BRAIxDet"]["stage1"] == {"classifier": "mvccl", "test_AUC": pytest.approx(0.75)}
+    assert runs["Faster R-CNN"]["stage1"] == {"classifier": "classifier_single_view",
+                                              "test_AUC": pytest.approx(0.65)}
+    ssl = METHODS["ssl_single_view"].label
+    per_seed = script.update_record(path, settings, [0], [
+        summary(0, ssl, classifier_single_view=0.80)], run)
+    assert per_seed[0]["runs"][ssl]["stage1"]["test_AUC"] == pytest.approx(0.75)
+    assert per_seed[0]["classifiers"]["classifier_single_view"]["test"]["AUC"] == \
+        pytest.approx(0.65)
 
 
 def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):
