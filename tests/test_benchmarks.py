@@ -322,6 +322,9 @@ def test_table6_parallel_runs_the_ceiling_beside_the_rows_and_leaves_a_complete_
     assert entry["results"] == rows_only["per_seed"][0]
     assert entry["runs"]["Faster R-CNN"]["machine"].endswith(f"({os.cpu_count()} cores)")
     assert entry["runs"]["Faster R-CNN"]["opts"][-2:] == ["NUM_THREADS", "1"]
+    assert entry["runs"]["Faster R-CNN"]["stage1"] == {
+        "classifier": "classifier_single_view",
+        "test_AUC": entry["classifiers"]["classifier_single_view"]["test"]["AUC"]}
     with pytest.raises(SystemExit, match="records rows of other settings"):
         script.main([*argv, "--det-epochs", "1.0", "--record", str(record)])
     assert record.read_bytes() == kept
