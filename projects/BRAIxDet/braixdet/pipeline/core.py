@@ -215,7 +215,8 @@ class Pipeline:
             earlier_path = os.path.join(out, TrainingTimeHook.EARLIER_ATTEMPTS)
             earlier = read_json(earlier_path) if os.path.exists(earlier_path) else {}
             for key, timings in (("seconds", self.timings), ("cpu_seconds", self.cpu_timings)):
-                timings[name] = round(timings[name] + earlier.get(key, 0.0), 1)
+                if name in timings and key in earlier:
+                    timings[name] = round(timings[name] + earlier[key], 1)
             mark_done(out, stage=name, config=config, **self.timed(name))
         return out
 
