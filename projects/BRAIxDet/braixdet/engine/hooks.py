@@ -34,6 +34,7 @@ from detectron2.engine.train_loop import HookBase
 
 from ..utils.checkpoint import atomic_torch_save, safe_torch_load
 from ..utils.io import atomic_write_json
+from ..utils.runtime import cpu_seconds
 
 __all__ = ["BestExportHook", "FiniteLossCheck", "ReduceLROnPlateauHook", "TrainingTimeHook",
            "check_finite_losses"]
@@ -302,10 +303,10 @@ def read_export_selection(path):
     return safe_torch_load(path).get("selected", {})
 
 
-def _process_cpu_seconds():
-    """CPU time of this process's threads and of its children that have ended."""
-    return sum(getattr(resource.getrusage(who), f) for who in
-               (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+def _clocks():
+    """Wall and CPU time now: this process's threads and its children that have ended."""
+    return {"seconds": time.perf_counter(),
+            "cpu_seconds": cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)}
 
 
 class TrainingTimeHook(HookBase):
@@ -325,7 +326,7 @@ class TrainingTimeHook(HookBase):
         self._start = None
 
     def before_train(self):
-        self._start = {"seconds": time.perf_counter(), "cpu_seconds": _process_cpu_seconds()}
+        self._start = _clocks()
         if comm.is_main_process():
             atomic_write_json(os.path.join(self.output_dir, self.EARLIER_ATTEMPTS),
                               {"from_iteration": int(self.trainer.start_iter), **self.carried},
@@ -334,7 +335,7 @@ class TrainingTimeHook(HookBase):
     def state_dict(self):
         if self._start is None:
             return dict(self.carried)
-        now = {"seconds": time.perf_counter(), "cpu_seconds": _process_cpu_seconds()}
+        now = _clocks()
         return {k: self.carried[k] + now[k] - self._start[k] for k in self.carried}
 
     def load_state_dict(self, state_dict):

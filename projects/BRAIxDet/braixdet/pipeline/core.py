@@ -30,6 +30,7 @@ from ..engine.hooks import TrainingTimeHook
 from ..engine.trainers import EXPORT_NAME
 from ..model_zoo import config_root, resolve_config_root
 from ..utils.io import atomic_write_json
+from ..utils.runtime import cpu_seconds
 from .methods import CAM_ONLY, LOCALISING_CAM, METHODS, PAPER_CAM, STAGE1, method_order
 from .results import (
     format_classifiers,
@@ -81,11 +82,6 @@ def demo_config_args(root, out, *, size, stage1_epochs, det_epochs, cache_dir, m
         "INPUT.BRAIXDET.CACHE_DIR", cache_dir,
         "--stage1-opts", "SOLVER.BRAIXDET.EPOCHS", str(stage1_epochs),
         "--det-opts", *stage2_epochs_opts(det_epochs), *det_opts])
-
-
-def _children_cpu_seconds():
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # ended children and their own children
-    return ru.ru_utime + ru.ru_stime
 
 
 @dataclass(frozen=True)
@@ -142,11 +138,11 @@ class Pipeline:
 
     def run(self, name, cmd):
         """Run one stage (stages.run_stage); its full output goes to <out>/logs/<name>.log."""
-        t0, cpu0 = time.time(), _children_cpu_seconds()
+        t0, cpu0 = time.time(), cpu_seconds(resource.RUSAGE_CHILDREN)
         run_stage(name, cmd, os.path.join(self.out, "logs", name.replace(":", "_") + ".log"))
         self.timings[name] = round(time.time() - t0, 1)
         # CPU time of the stage's processes: unlike wall time, not inflated by other jobs
-        self.cpu_timings[name] = round(_children_cpu_seconds() - cpu0, 1)
+        self.cpu_timings[name] = round(cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0, 1)
 
     def timed(self, name):
         """The done-marker's record of a stage's run time."""

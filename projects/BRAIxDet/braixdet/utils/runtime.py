@@ -11,13 +11,17 @@ still round differently). 0 keeps torch's default.
 ``end_distributed``: a launched worker that returns with its process group alive can abort at
 exit (gloo's threads: SIGABRT, "terminate called without an active exception"), which fails the
 whole launch after the work is done; every worker ends with it.
+
+``cpu_seconds``: user + system CPU time of the given ``resource.RUSAGE_*`` sets, how the
+pipeline and the training hooks measure a stage's cost.
 """
 import logging
+import resource
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["apply_num_threads", "end_distributed"]
+__all__ = ["apply_num_threads", "cpu_seconds", "end_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,3 +42,9 @@ def end_distributed():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def cpu_seconds(*who):
+    """User + system CPU seconds of ``who`` (``resource.RUSAGE_SELF``: this process's threads;
+    ``resource.RUSAGE_CHILDREN``: its children that have ended, and theirs)."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
