@@ -12,7 +12,6 @@ from detectron2.structures import BoxMode
 from detectron2.utils import comm
 from detectron2.utils.file_io import PathManager
 from detectron2.utils.logger import create_small_table
-from sklearn.metrics import log_loss
 
 from .classification_evaluator import ClassificationEvaluator
 from .exam_scores import breast_exam_auc, image_score
@@ -159,6 +158,8 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         its image-level BCE against the image labels (nats, not percent): the detector's
         analogue of stage 1's validation BCE (SOLVER.BRAIXDET.PLATEAU_METRIC
         "screening/image_BCE"; paper §4.3)."""
+        from sklearn.metrics import log_loss  # imported here: 2 s of every stage's start-up
+
         scores = {i: image_score(s) for i, (_, s) in dets.items()}
         breast, exam, _, _ = breast_exam_auc(records, scores)
         ids = sorted(scores)

@@ -13,7 +13,6 @@ import re
 from collections import OrderedDict
 
 import numpy as np
-from scipy import stats
 
 from ..utils.io import atomic_write_text
 
@@ -105,6 +104,8 @@ def summarize(values, baseline, metrics=METRICS):
     """
     if baseline not in values:
         raise ValueError(f"baseline {baseline!r} not among the methods {sorted(values)}")
+    from scipy import stats  # here, not at the top: 2 s of every stage's start-up
+
     methods = [baseline] + [m for m in values if m != baseline]
     rows = []
     for method in methods:
@@ -141,6 +142,8 @@ def paired_effect(x, y, alternative="two-sided", confidence=0.95):
     its mean, the t interval at ``confidence``, the paired t-test's and the Wilcoxon
     signed-rank test's p-values (scipy; NaN where n is too small for them), and the differences'
     standard deviation ``sd`` (what seeds_to_detect reads)."""
+    from scipy import stats
+
     d = np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)
     n, nan = len(d), float("nan")
     out = {"n": n, "mean": float(np.mean(d)) if n else nan, "sd": nan, "ci_low": nan,
