@@ -158,7 +158,7 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         its image-level BCE against the image labels (nats, not percent): the detector's
         analogue of stage 1's validation BCE (SOLVER.BRAIXDET.PLATEAU_METRIC
         "screening/image_BCE"; paper §4.3)."""
-        from sklearn.metrics import log_loss  # imported here: 2 s of every stage's start-up
+        from sklearn.metrics import log_loss  # here: non-evaluating processes skip 2 s
 
         scores = {i: image_score(s) for i, (_, s) in dets.items()}
         breast, exam, _, _ = breast_exam_auc(records, scores)

@@ -104,7 +104,7 @@ def summarize(values, baseline, metrics=METRICS):
     """
     if baseline not in values:
         raise ValueError(f"baseline {baseline!r} not among the methods {sorted(values)}")
-    from scipy import stats  # here, not at the top: 2 s of every stage's start-up
+    from scipy import stats  # here: processes that never summarise skip its 2 s import
 
     methods = [baseline] + [m for m in values if m != baseline]
     rows = []
