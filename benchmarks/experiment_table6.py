@@ -43,6 +43,7 @@ from experiment_benchmark_regime import (
     parse_sets,
 )
 from experiment_ratio_grid import run_args
+from filelock import FileLock
 
 from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
 from braixdet.pipeline.launcher import add_launcher_arguments, launch
@@ -132,7 +133,13 @@ def started_from(label, summary):
 def update_record(path, settings, seeds, per_seed, run):
     """Adds each seed's rows to the record at ``path`` and returns its seeds' summaries, sorted
     by seed. A row already recorded keeps its recorded value (this run's is printed beside it
-    when they differ): remove it from the file to replace it."""
+    when they differ): remove it from the file to replace it. Runs of one record may end at
+    once (rows of a seed trained side by side): the read-add-write holds ``<path>.lock``."""
+    with FileLock(path + ".lock"):
+        return _update_record(path, settings, seeds, per_seed, run)
+
+
+def _update_record(path, settings, seeds, per_seed, run):
     record = load_record(path, settings)
     for seed, summary in zip(seeds, per_seed):
         entry = record["seeds"].setdefault(str(seed), {"results": {}, "row_cpu_seconds": {},

@@ -361,6 +361,38 @@ def test_table6_record_pairs_rows_from_separate_runs_by_seed(tmp_path, capsys, l
         script.update_record(path, dict(settings, size=[512, 256]), [], [], b)
 
 
+def test_table6_record_update_waits_for_another_run_ending_at_once(tmp_path, load_tool):
+    """Two runs of one record ending together (a seed's rows trained side by side) must not
+    lose either's rows: an update waits while another holds the record's lock."""
+    import json
+    import threading
+
+    from filelock import FileLock
+
+    script = load_tool("experiment_table6", folder="benchmarks")
+    path, settings = str(tmp_path / "record.json"), {"regime": "r"}
+    run = {"machine": "m", "opts": [], "recorded": "d"}
+
+    def summary(seed, row):
+        return {"results": {row: {"bbox": {"AP20": 50.0, "R@0.5": 60.0}}},
+                "protocol": {"seed": seed}, "row_cpu_seconds": {row: 1.0}}
+
+    script.update_record(path, settings, [2], [summary(2, "STAC")], run)
+    with FileLock(path + ".lock"):  # the other run, between reading and writing the record
+        late = threading.Thread(target=script.update_record,
+                                args=(path, settings, [2], [summary(2, "BRAIxDet")], run))
+        late.start()
+        late.join(0.5)
+        assert late.is_alive()
+        with open(path) as f:
+            assert set(json.load(f)["seeds"]["2"]["results"]) == {"STAC"}
+        script._update_record(path, settings, [0], [summary(0, "Faster R-CNN")], run)
+    late.join(10)
+    with open(path) as f:
+        seeds = json.load(f)["seeds"]
+    assert set(seeds) == {"0", "2"} and set(seeds["2"]["results"]) == {"STAC", "BRAIxDet"}
+
+
 def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_window(
         tmp_path, load_tool):
     """experiment_table6.py at --det-epochs 6: the detectors get Algorithm 2's window at the
