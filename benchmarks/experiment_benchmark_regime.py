@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 from experiment_ratio_grid import run_args
+from filelock import FileLock
 
 from braixdet.engine.hooks import read_export_selection
 from braixdet.pipeline.ceiling import run_ceiling, share_stage1
@@ -63,17 +64,21 @@ def make_regime(name, sets, out):
     marker = os.path.join(out, "regime.json")
     # tuples as lists, as stored: a re-run with a tuple override (image_size) finds its data
     record = json.loads(json.dumps({"regime": name, "overrides": sets, "settings": settings}))
-    if os.path.exists(os.path.join(root, "exams.csv")):
-        with open(marker) as f:
-            if json.load(f) != record:
-                raise SystemExit(f"error: {root} holds another regime's data ({marker}); "
-                                 "use another --out")
-        return root, record
-    print(f"=== [data] regime {name} {sets or ''} -> {root}", flush=True)
-    # patients in parallel processes: the same files (1,300 patients took 4 min in one)
-    make_synthetic_dataset(root, truth_path=os.path.join(out, "truth.json"), progress=False,
-                           workers=min(8, os.cpu_count() or 1), **settings)
-    atomic_write_json(marker, record, indent=1)
+    os.makedirs(out, exist_ok=True)
+    # runs of one --out started together (seeds or rows in separate shells): one generates,
+    # the others wait for it and then find the data
+    with FileLock(marker + ".lock"):
+        if os.path.exists(marker):
+            with open(marker) as f:
+                if json.load(f) != record:
+                    raise SystemExit(f"error: {root} holds another regime's data ({marker}); "
+                                     "use another --out")
+            return root, record
+        print(f"=== [data] regime {name} {sets or ''} -> {root}", flush=True)
+        # patients in parallel processes: the same files (1,300 patients took 4 min in one)
+        make_synthetic_dataset(root, truth_path=os.path.join(out, "truth.json"), progress=False,
+                               workers=min(8, os.cpu_count() or 1), **settings)
+        atomic_write_json(marker, record, indent=1)
     return root, record
 
 

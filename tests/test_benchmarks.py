@@ -106,6 +106,39 @@ def test_benchmark_regime_criteria_and_settings(tmp_path, load_tool):
     assert script.export_selection(str(stage)) == (7, 41.5)
 
 
+def test_benchmark_regime_runs_started_together_generate_once(tmp_path, load_tool,
+                                                               monkeypatch):
+    """Seeds of one --out started in two shells at once: one generates the regime, the other
+    waits for it and finds the same data (before the lock both wrote into one folder)."""
+    import threading
+
+    import synthetic_mammo
+
+    make_regime = load_tool("experiment_benchmark_regime", folder="benchmarks").make_regime
+    generate, calls = synthetic_mammo.make_synthetic_dataset, []
+    start = threading.Barrier(2)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(synthetic_mammo, "make_synthetic_dataset", counted)
+    sets = {"patients": 2, "image_size": (96, 64)}
+    results = []
+
+    def run():
+        start.wait()
+        results.append(make_regime("benchmark_a", sets, str(tmp_path)))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+    assert os.path.exists(os.path.join(results[0][0], "exams.csv"))
+
+
 def test_box_sources_quality_by_phase(load_tool, tmp_path, capsys):
     """experiment_box_sources.py (issue 27 items 3 and 5; hours of CPU, not run here): the
     quality means split at the fusion phase the trainer logged; main() parses its arguments."""
