@@ -64,9 +64,8 @@ def make_regime(name, sets, out):
     marker = os.path.join(out, "regime.json")
     # tuples as lists, as stored: a re-run with a tuple override (image_size) finds its data
     record = json.loads(json.dumps({"regime": name, "overrides": sets, "settings": settings}))
-    os.makedirs(out, exist_ok=True)
     # runs of one --out started together (seeds or rows in separate shells): one generates,
-    # the others wait for it and then find the data
+    # the others wait for it and then find the data (filelock creates <out>)
     with FileLock(marker + ".lock"):
         if os.path.exists(marker):
             with open(marker) as f:
