@@ -59,6 +59,8 @@ def add_dev_set_arguments(ap):
     dev.add_argument("--separation", type=float, default=1.5)
     dev.add_argument("--size-scale", type=float, default=0.8)
     dev.add_argument("--size-spread", type=float, default=2.0)
+    dev.add_argument("--summations-per-view", type=float, default=0.0,
+                     help="one-view mass look-alikes per view (RESULTS §24)")
 
 
 def make_dev_set(a):
@@ -69,7 +71,8 @@ def make_dev_set(a):
     print(f"=== [data] development set -> {a.root}", flush=True)
     make_synthetic_dataset(a.root, patients=a.patients, image_size=tuple(a.image_size),
                            lesion_rate=0.7, seed=a.data_seed, separation=a.separation,
-                           size_scale=a.size_scale, size_spread=a.size_spread)
+                           size_scale=a.size_scale, size_spread=a.size_spread,
+                           summations_per_view=a.summations_per_view)
 
 
 def main(argv=None):

@@ -415,3 +415,41 @@ def test_regimes_are_generator_settings():
         regime("nope")
     with pytest.raises(ValueError, match="not a make_synthetic_dataset setting: contrast$"):
         regime("benchmark_a", contrast=0.5)
+
+
+def test_summation_lookalikes_are_one_view_masses_clear_of_lesions():
+    from synthetic_mammo.plan import summation_lookalikes
+
+    rows, cols = 256, 128
+    geo = {"a": 100.0, "cc_b": 110.0, "cc_cy": 128.0, "mlo_b": 110.0, "mlo_cy": 128.0}
+    yy, xx = np.mgrid[:rows, :cols]
+    allowed = {v: np.clip(60 - np.hypot(xx - 40, yy - 128), 0, None).astype(np.float32)
+               for v in ("CC", "MLO")}
+    lesion = {"_xy": {"CC": (40.0, 128.0), "MLO": (40.0, 100.0)}, "extent": 6.0}
+    found = [summation_lookalikes(np.random.default_rng(s), 3.0, "CC", geo, allowed, [lesion],
+                                  rows, cols) for s in range(20)]
+    sums = [x for f in found for x in f]
+    assert len(sums) > 20 and {len(f) for f in found} != {len(found[0])}  # a Poisson count
+    for x in sums:
+        assert x["type"] == "mass" and set(x["_xy"]) == {"CC"}  # one view only
+        cx, cy = x["_xy"]["CC"]
+        assert allowed["CC"][int(round(cy)), int(round(cx))] >= x["extent"] + 2  # in the breast
+        assert np.hypot(cx - 40, cy - 128) >= x["extent"] + lesion["extent"] + 3  # clear of it
+
+
+def test_summations_change_pixels_only(tmp_path):
+    kw = dict(patients=4, image_size=(128, 80), seed=3, progress=False)
+    base = make_synthetic_dataset(str(tmp_path / "base"), **kw)
+    summ = make_synthetic_dataset(str(tmp_path / "summ"), summations_per_view=1.0, **kw)
+    assert summ["generator"]["summations_per_view"] == 1.0
+    assert summ["truth"] == base["truth"]  # not findings: every label, lesion and box kept
+    assert _csv_digest(summ["root"]) == _csv_digest(base["root"])
+    a, b = _pixels(base["root"], base["truth"]), _pixels(summ["root"], summ["truth"])
+    changed = [not np.array_equal(a[k], b[k]) for k in a]
+    assert 0 < sum(changed) < len(changed)  # Poisson(1) per view: some views have none
+    # the same breast's two views get their own look-alikes: a changed view beside an
+    # unchanged one happens (never with a lesion, which is in both views)
+    by_breast = {}
+    for t, c in zip(base["truth"], changed):
+        by_breast.setdefault((t["patient"], t["laterality"]), []).append(c)
+    assert any(len(set(v)) == 2 for v in by_breast.values())

@@ -205,3 +205,30 @@ def label_benign(rng, lesions, first_id):
         les["pathology"] = str(rng.choice(["BENIGN", "BENIGN_WITHOUT_CALLBACK"]))
         les["assessment"] = int(rng.choice([2, 3]))
         les["subtlety"] = int(rng.integers(1, 6))
+
+
+def summation_lookalikes(rng, mean, view, geo, allowed, lesions, rows, cols, **size):
+    """Tissue-superposition look-alikes of one view (Poisson count, mean ``mean``): densities
+    drawn like malignant masses, at a lesion's depth, that appear in ``view`` only. In real
+    films overlapping normal tissue mimics a mass in one projection and resolves in the other,
+    which only the second view can tell; they are not findings (no truth entry). Placed inside
+    ``allowed[view]`` and clear of the breast's ``lesions`` there; each gets ``_xy = {view: ..}``.
+    """
+    a = geo["a"]
+    b, cy = (geo["cc_b"], geo["cc_cy"]) if view == "CC" else (geo["mlo_b"], geo["mlo_cy"])
+    placed = []
+    for _ in range(int(rng.poisson(mean))):
+        les = sample_lesion(rng, "mass", True, cols, **size)
+        for _attempt in range(100):
+            x = a - rng.uniform(0.2, 0.75) * a
+            y = cy + rng.uniform(-0.65, 0.65) * b * np.sqrt(max(0.0, 1 - (x / a) ** 2))
+            xi, yi = int(round(x)), int(round(y))
+            if not (0 <= yi < rows and 0 <= xi < cols) or allowed[view][yi, xi] < les["extent"] + 2:
+                continue
+            if any(np.hypot(x - p["_xy"][view][0], y - p["_xy"][view][1])
+                   < les["extent"] + p["extent"] + 3 for p in lesions + placed):
+                continue
+            les["_xy"] = {view: (float(x), float(y))}
+            placed.append(les)
+            break
+    return placed

@@ -233,7 +233,8 @@ def render_view(rng, geo, masks, lesions, *, view, lat, density, anatomy=None):
     ``masks`` = breast_masks(geo, view, ...); ``lesions`` carry their per-view centre in
     ``_xy[view]`` (plan.place_lesions). Background: faint detector noise outside the breast.
     ``anatomy`` (optional, for harder regimes): {"rng": its own generator, so the other draws
-    stay those of the demo, "texture_beta", "texture_strength", "vessels", "vessel_calc_fraction"};
+    stay those of the demo, "texture_beta", "texture_strength", "vessels", "vessel_calc_fraction",
+    "summations" (plan.summation_lookalikes of this view) and their "summation_rng"};
     None leaves the image exactly as without it.
     """
     breast, pect = masks
@@ -249,6 +250,8 @@ def render_view(rng, geo, masks, lesions, *, view, lat, density, anatomy=None):
             n = int(arng.poisson(anatomy["vessels"]))
             render_vessels(arng, img, breast & ~pect, geo, view, n,
                            anatomy.get("vessel_calc_fraction", 0.0), cols)
+        for les in anatomy.get("summations", ()):  # one-view look-alikes, not findings
+            render_lesion(anatomy["summation_rng"], img, les, les["_xy"][view], cols)
     # extra findings (plan.benign_findings) draw from the anatomy's generator, as they were planned
     roi_masks = [render_lesion(anatomy["rng"] if les.get("_extra") else rng, img, les,
                                les["_xy"][view], cols) for les in lesions]

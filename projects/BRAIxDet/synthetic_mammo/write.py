@@ -49,6 +49,7 @@ from .plan import (
     place_lesions,
     plan_patients,
     sample_lesion,
+    summation_lookalikes,
 )
 from .render import breast_masks, lesion_room, render_view
 
@@ -159,13 +160,15 @@ def _encoding_quirks(rng, n_images, rows, cols, monochrome1_fraction, jpeg2000_f
 
 
 def _write_patient(pl, *, seed, rows, cols, out_dir, tree, size, anatomy, harder,
-                   benign_per_breast, swap_fraction, mono1, j2k, bits):
+                   benign_per_breast, summations_per_view, swap_fraction, mono1, j2k, bits):
     """Write one planned patient's files (its own generators: patients are independent, so
     they may be written in any order or process); returns its truth entries, CSV rows and
     exams.csv rows, in the serial order."""
     truth, rows_csv, exam_rows = [], [], []
     prng = np.random.default_rng([seed, 3, pl["index"]])
     arng = np.random.default_rng([seed, 4, pl["index"]]) if harder else None
+    # its own generator: turning summations on leaves every other pixel as it was
+    srng = np.random.default_rng([seed, 5, pl["index"]]) if summations_per_view > 0 else None
     p, split = pl["patient"], pl["split"]
     stage = "Training" if split == "train" else "Test"
     anon = f"anon_{pl['index'] + 1:05d}"
@@ -192,13 +195,18 @@ def _write_patient(pl, *, seed, rows, cols, out_dir, tree, size, anatomy, harder
             extra = place_lesions(arng, extra, geo, allowed, rows, cols, occupied=lesions)
             label_benign(arng, extra, len(lesions) + 1)
             lesions = lesions + extra
+        summations = {v: summation_lookalikes(srng, summations_per_view, v, geo, allowed,
+                                              lesions, rows, cols, **size) if srng else []
+                      for v in VIEWS}
         kind = lesions[0]["type"] if lesions else "mass"
         prefix = f"{kind.capitalize()}-{stage}"
         for view in VIEWS:
             img_index = pl["index"] * 4 + (0 if lat == "L" else 2) + VIEWS.index(view)
             img, roi_masks = render_view(prng, geo, masks[view], lesions, view=view,
                                          lat=lat, density=density,
-                                         anatomy=dict(anatomy, rng=arng) if harder else None)
+                                         anatomy=dict(anatomy, rng=arng,
+                                                      summations=summations[view],
+                                                      summation_rng=srng) if harder else None)
             nipple_x = geo["a"] if lat == "L" else cols - 1 - geo["a"]
             folder = f"{prefix}_{p}_{SIDES[lat]}_{view}"
             study, series = _uid(seed, folder, "study"), _uid(seed, folder, "series")
@@ -305,7 +313,8 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
                            truth_path=None, swap_fraction=0.1, separation=1.0,
                            size_scale=1.0, size_spread=1.0, size_sigma=0.0, contrast_scale=1.0,
                            texture_beta=3.0, texture_strength=0.0, vessels=0.0,
-                           vessel_calc_fraction=0.0, benign_per_breast=0.0, workers=1):
+                           vessel_calc_fraction=0.0, benign_per_breast=0.0,
+                           summations_per_view=0.0, workers=1):
     """Generates the dataset under ``out_dir``; returns a summary dict (see module doc).
     ``workers`` > 1 writes patients in that many processes; the files are the same.
 
@@ -323,7 +332,10 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     ``contrast_scale`` lesion contrast factor, ``texture_strength`` amplitude of a 1/f^beta
     anatomical texture (``texture_beta``), ``vessels`` mean number of crossing vessels per view
     of which ``vessel_calc_fraction`` carry vascular calcifications, ``benign_per_breast`` mean
-    number of extra benign masses / calcification clusters per breast (listed like any lesion).
+    number of extra benign masses / calcification clusters per breast (listed like any lesion),
+    ``summations_per_view`` mean number per view of tissue-superposition look-alikes: drawn like
+    malignant masses, in one view only, not findings (plan.summation_lookalikes; their own
+    generator ``[seed, 5, i]``).
     Their draws come from a generator of their own (patient ``i``: ``[seed, 4, i]``), so the
     planned lesions keep their places and pixels underneath.
     """
@@ -342,10 +354,12 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
                 size_sigma=size_sigma, contrast_scale=contrast_scale)
     anatomy = {"texture_beta": texture_beta, "texture_strength": texture_strength,
                "vessels": vessels, "vessel_calc_fraction": vessel_calc_fraction}
-    harder = texture_strength > 0 or vessels > 0 or benign_per_breast > 0
+    harder = (texture_strength > 0 or vessels > 0 or benign_per_breast > 0
+              or summations_per_view > 0)
     write_patient = functools.partial(
         _write_patient, seed=seed, rows=rows, cols=cols, out_dir=out_dir, tree=tree, size=size,
         anatomy=anatomy, harder=harder, benign_per_breast=benign_per_breast,
+        summations_per_view=summations_per_view,
         swap_fraction=swap_fraction, mono1=mono1, j2k=j2k, bits=bits)
     truth, rows_csv, exam_rows = [], {}, []
     swapped = 0
@@ -369,7 +383,8 @@ def make_synthetic_dataset(out_dir, patients=12, image_size=(256, 160), lesion_r
     summary = _summary(out_dir, seed, rows, cols, truth, rows_csv, abn_count, swapped)
     # the settings, so that a truth file says which data it describes
     summary["generator"] = dict(size, **{k: v for k, v in anatomy.items()},
-                                benign_per_breast=benign_per_breast, lesion_rate=lesion_rate,
+                                benign_per_breast=benign_per_breast,
+                                summations_per_view=summations_per_view, lesion_rate=lesion_rate,
                                 malignant_fraction=malignant_fraction, patients=patients)
     if truth_path:
         os.makedirs(os.path.dirname(os.path.abspath(truth_path)), exist_ok=True)
