@@ -123,12 +123,18 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--ratio", default="1/8")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per stage (NUM_THREADS; 0: the config's). 1 when two "
+                         "processes share two cores: more threads than cores slow both")
     add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
     out, t0 = os.path.abspath(a.out), time.time()
     run_dir = os.path.join(out, "r" + a.ratio.replace("/", "_"))
-    per_seed = run_seeds(run_args(a, "partial", a.ratio, 0, run_dir, ROWS), a.seeds, run_dir)
+    args = run_args(a, "partial", a.ratio, 0, run_dir, ROWS)
+    if a.threads:
+        args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]
+    per_seed = run_seeds(args, a.seeds, run_dir)
     text, effects, answer = report(per_seed, a.root, a.seeds)
     text += f"\n\n{(time.time() - t0) / 60:.1f} min.\n"
     atomic_write_text(os.path.join(out, "mv_cost.md"), text)
