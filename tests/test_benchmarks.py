@@ -532,9 +532,18 @@ def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_to
     ]
     for values, answer in cases:
         assert script.verdict(dict(zip(script.EFFECTS, values))) == answer, values
+    # a part of the grid (--rows): only the effects its rows give, and no verdict
+    pair = ["faster_rcnn", "faster_rcnn_mv_sv_init"]
+    part = [{"results": {METHODS[k].label: s["results"][METHODS[k].label] for k in pair}}
+            for s in per_seed]
+    sub = script.effects_of(part, rows=pair)
+    assert list(sub) == ["detector, single-view classifier init"]
+    assert sub["detector, single-view classifier init"]["mean"] == pytest.approx(-17 / 3)
+    text, _, answer = script.report(part, "root", [0, 1, 2], pair)
+    assert answer.startswith("not read") and "BRAIxMVCCL init" not in text
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
-    assert exit_.value.code == 0 and "--seeds" in capsys.readouterr().out
+    assert exit_.value.code == 0 and "--protocol" in capsys.readouterr().out
 
 
 def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_path, capsys,
