@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Does a trained multi-view detector use its second view? Test AP with the view swapped out.
+
+  python benchmarks/experiment_aux_view.py --runs out/mv_cost/r1_8 --rows faster_rcnn_mv_sv_init \
+      --out out/aux_view
+
+docs/RESULTS.md §24. For each seed folder s<N> under --runs and each multi-view row, the row's
+exported model is evaluated on the test split three times, changing only the auxiliary image:
+``paired`` (the other view of the same breast, as trained), ``main`` (the main image itself:
+whatever the main view shows, the second view now shows too) and ``other breast`` (the other
+view of another patient's breast with the same laterality). A detector that ignores its second
+view scores the same on all three. Writes <out>/aux_view.md and aux_view.json: AP@0.2 per
+seed and each change paired by seed (mean, 95% t interval, paired t p). Not part of `make bench`.
+"""
+import argparse
+import copy
+import os
+import random
+
+import numpy as np
+import torch
+from detectron2.evaluation import inference_on_dataset
+
+from braixdet.config import build_cfg, resolve_cfg
+from braixdet.data.build import build_multiview_test_loader, get_dicts
+from braixdet.engine import trainer_class
+from braixdet.pipeline.methods import METHODS
+from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
+from braixdet.utils.checkpoint import load_inference_weights
+from braixdet.utils.io import atomic_write_json, atomic_write_text
+
+TEST = "cbis_ddsm_test"
+VARIANTS = ("paired", "main", "other breast")
+
+
+def swap_aux(dicts, variant, seed=0):
+    """Copies of ``dicts`` whose auxiliary image is ``variant`` (module docstring)."""
+    out = copy.deepcopy(dicts)
+    if variant == "paired":
+        return out
+    if variant == "main":
+        for d in out:
+            d["aux_file_name"] = d["file_name"]
+        return out
+    rng = random.Random(seed)
+    for d in out:
+        # the donor's own paired view: the view the model expects, from another patient
+        donors = [e for e in dicts if e.get("aux_file_name") and e["file_name"] != d["file_name"]
+                  and e.get("patient_id") != d.get("patient_id")
+                  and e.get("laterality") == d.get("laterality") and e["view"] == d["view"]]
+        d["aux_file_name"] = rng.choice(donors)["aux_file_name"]
+    return out
+
+
+def evaluate(run_dir, variants=VARIANTS, threads=1):
+    """{variant: AP@0.2} of the exported model in ``run_dir`` on the test split."""
+    cfg = build_cfg(os.path.join(run_dir, "config.yaml"),
+                    ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", "NUM_THREADS", str(threads)])
+    cfg = resolve_cfg(cfg)
+    torch.set_num_threads(threads)
+    trainer = trainer_class(cfg)
+    model = trainer.build_model(cfg)
+    load_inference_weights(model, os.path.join(run_dir, "model_export.pth"))
+    model.eval()
+    dicts = get_dicts(TEST)
+    result = {}
+    for v in variants:
+        folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), TEST)
+        res = inference_on_dataset(model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),
+                                   trainer.build_evaluator(cfg, TEST, folder))
+        result[v] = row_metric(res, "AP20")
+        print(f"   {run_dir}: aux {v}: AP@0.2 {result[v]:.1f}", flush=True)
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", required=True, help="a folder of seed folders s<N> (run_seeds)")
+    ap.add_argument("--rows", nargs="+", default=["faster_rcnn_mv_sv_init", "faster_rcnn_mv"],
+                    choices=[k for k in METHODS if "mv" in k])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
+    per_row, lines = {}, []
+    for row in a.rows:
+        ap_ = {s: evaluate(os.path.join(a.runs, f"s{s}", row), threads=a.threads)
+               for s in seeds if os.path.exists(os.path.join(a.runs, f"s{s}", row,
+                                                             "model_export.pth"))}
+        done = sorted(ap_)
+        lines += [f"**{METHODS[row].label}**, seeds {done}, test AP@0.2:", "",
+                  "| aux image | " + " | ".join(f"seed {s}" for s in done) + " | mean |",
+                  "|---|" + "---|" * (len(done) + 1)]
+        for v in VARIANTS:
+            vals = [ap_[s][v] for s in done]
+            lines.append(f"| {v} | " + " | ".join(f"{x:.1f}" for x in vals)
+                         + f" | {np.mean(vals):.1f} |")
+        effects = {v: paired_effect([ap_[s]["paired"] for s in done], [ap_[s][v] for s in done])
+                   for v in VARIANTS[1:]}
+        lines += ["", "| paired − swapped | mean [95% CI] | paired t p |", "|---|---|---|"]
+        for v, e in effects.items():
+            lines.append(f"| paired − {v} | {fmt_cell(e['mean'], '+.1f')} "
+                         f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
+                         f"{fmt_cell(e['p_t'], '.4f')} |")
+        lines.append("")
+        per_row[row] = {"ap": {str(s): ap_[s] for s in done}, "effects": effects}
+    text = "\n".join(lines)
+    os.makedirs(a.out, exist_ok=True)
+    atomic_write_text(os.path.join(a.out, "aux_view.md"), text + "\n")
+    atomic_write_json(os.path.join(a.out, "aux_view.json"), {"runs": a.runs, "rows": per_row},
+                      indent=1)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
