@@ -589,3 +589,26 @@ def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_p
         script.main([f"stage 1={tmp_path / 'classifier'}", "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match="nowhere: no such file"):
         script.main([f"x={tmp_path / 'nowhere'}", "--out", str(tmp_path / "x.png")])
+
+
+def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
+    """experiment_aux_view.py (RESULTS §24): 'main' shows the main image twice; 'other breast'
+    the expected view type of another patient's breast with the same laterality."""
+    script = load_tool("experiment_aux_view", folder="benchmarks")
+    other_view = {"CC": "MLO", "MLO": "CC"}
+    dicts = [{"file_name": f"{p}_{lat}_{v}", "aux_file_name": f"{p}_{lat}_{other_view[v]}",
+              "patient_id": p, "laterality": lat, "view": v, "annotations": [p]}
+             for p in ("a", "b", "c") for lat in ("L", "R") for v in ("CC", "MLO")]
+    assert script.swap_aux(dicts, "paired") == dicts
+    main = script.swap_aux(dicts, "main")
+    assert all(d["aux_file_name"] == d["file_name"] for d in main)
+    other = script.swap_aux(dicts, "other breast", seed=1)
+    for d, o in zip(dicts, other):
+        patient, lat, view = o["aux_file_name"].split("_")
+        assert patient != d["patient_id"] and lat == d["laterality"] and view != d["view"]
+        assert {k: v for k, v in o.items() if k != "aux_file_name"} == \
+            {k: v for k, v in d.items() if k != "aux_file_name"}  # boxes, labels kept
+    assert dicts[0]["aux_file_name"] == "a_L_MLO"  # the input is not modified
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--help"])
+    assert exit_.value.code == 0 and "--runs" in capsys.readouterr().out
