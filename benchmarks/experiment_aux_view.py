@@ -10,7 +10,9 @@ exported model is evaluated on the test split three times, changing only the aux
 whatever the main view shows, the second view now shows too) and ``other breast`` (the other
 view of another patient's breast with the same laterality). A detector that ignores its second
 view scores the same on all three. Writes <out>/aux_view.md and aux_view.json: AP@0.2 per
-seed and each change paired by seed (mean, 95% t interval, paired t p). Not part of `make bench`.
+seed and each change paired by seed (mean, 95% t interval, paired t p), and the scale of the
+LCM's cross-view weights in each export against their initial scale (``lcm_cross_view_scale``).
+Not part of `make bench`.
 """
 import argparse
 import copy
@@ -50,6 +52,18 @@ def swap_aux(dicts, variant, seed=0):
                   and e.get("laterality") == d.get("laterality") and e["view"] == d["view"]]
         d["aux_file_name"] = rng.choice(donors)["aux_file_name"]
     return out
+
+
+def lcm_cross_view_scale(weights_path):
+    """(std of the LCM fuse conv's weights on the cross-view features, their std at
+    initialisation, mean of its diagonal on the view's own features): the fuse starts as
+    identity on the view's features plus a small cross-view part (modeling/lcm.py)."""
+    sd = torch.load(weights_path, map_location="cpu", weights_only=False)
+    sd = sd.get("model", sd)
+    w = next(v for k, v in sd.items() if k.endswith("lcm.to_main.fuse.weight"))[:, :, 0, 0]
+    c = w.shape[0]
+    return (float(w[:, c:].std()), 0.1 / (w.shape[1] - c) ** 0.5,
+            float(w[:, :c].diagonal().mean()))
 
 
 def evaluate(run_dir, variants=VARIANTS, threads=1):
@@ -102,8 +116,14 @@ def main(argv=None):
             lines.append(f"| paired − {v} | {fmt_cell(e['mean'], '+.1f')} "
                          f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
                          f"{fmt_cell(e['p_t'], '.4f')} |")
-        lines.append("")
-        per_row[row] = {"ap": {str(s): ap_[s] for s in done}, "effects": effects}
+        scale = {s: lcm_cross_view_scale(os.path.join(a.runs, f"s{s}", row, "model_export.pth"))
+                 for s in done}
+        lines += ["", "LCM cross-view weights, std (at initialisation "
+                  f"{scale[done[0]][1]:.4f}) per seed: "
+                  + ", ".join(f"{scale[s][0]:.4f}" for s in done)
+                  + "; own-feature diagonal: " + ", ".join(f"{scale[s][2]:.3f}" for s in done), ""]
+        per_row[row] = {"ap": {str(s): ap_[s] for s in done}, "effects": effects,
+                        "lcm_cross_view_scale": {str(s): scale[s] for s in done}}
     text = "\n".join(lines)
     os.makedirs(a.out, exist_ok=True)
     atomic_write_text(os.path.join(a.out, "aux_view.md"), text + "\n")

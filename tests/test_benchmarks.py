@@ -591,7 +591,7 @@ def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_p
         script.main([f"x={tmp_path / 'nowhere'}", "--out", str(tmp_path / "x.png")])
 
 
-def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
+def test_aux_view_swaps_change_only_the_second_view(tmp_path, capsys, load_tool):
     """experiment_aux_view.py (RESULTS §24): 'main' shows the main image twice; 'other breast'
     the expected view type of another patient's breast with the same laterality."""
     script = load_tool("experiment_aux_view", folder="benchmarks")
@@ -609,6 +609,19 @@ def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
         assert {k: v for k, v in o.items() if k != "aux_file_name"} == \
             {k: v for k, v in d.items() if k != "aux_file_name"}  # boxes, labels kept
     assert dicts[0]["aux_file_name"] == "a_L_MLO"  # the input is not modified
+    # the LCM weight scale of a freshly initialised module: identity diagonal, initial std
+    import torch
+
+    from braixdet.modeling.lcm import LocalCoOccurrenceModule
+
+    torch.manual_seed(0)
+    lcm = LocalCoOccurrenceModule(320, bidirectional=False)
+    path = tmp_path / "w.pth"
+    torch.save({"model": {f"backbone.bottom_up.lcm.{k}": v
+                          for k, v in lcm.state_dict().items()}}, path)
+    std, init, diag = script.lcm_cross_view_scale(str(path))
+    assert diag == 1.0 and init == pytest.approx(0.1 / 128 ** 0.5)
+    assert std == pytest.approx(init, rel=0.05)
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
     assert exit_.value.code == 0 and "--runs" in capsys.readouterr().out
