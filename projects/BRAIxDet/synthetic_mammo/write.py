@@ -19,7 +19,8 @@ edge (nipple pointing right), R the chest wall on the right edge. Boxes are
 ``[x0, y0, x1, y1]`` = ``[xmin, ymin, xmax + 1, ymax + 1]`` of the ROI mask's pixels.
 
 Each stage draws from its own generator seeded from ``seed`` (plan ``[seed, 1]``, encodings
-``[seed, 2]``, patient ``i`` ``[seed, 3, i]``), so pixels, UIDs and CSVs repeat for a seed; the one
+``[seed, 2]``, patient ``i`` ``[seed, 3, i]``, its harder-regime options ``[seed, 4, i]`` and
+summation look-alikes ``[seed, 5, i]``), so pixels, UIDs and CSVs repeat for a seed; the one
 exception is the SOPInstanceUID of JPEG 2000 files, which pydicom's ``Dataset.compress`` replaces
 with a fresh random UID.
 """
