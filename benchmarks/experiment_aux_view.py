@@ -16,6 +16,7 @@ Not part of `make bench`.
 """
 import argparse
 import copy
+import math
 import os
 import random
 
@@ -66,8 +67,42 @@ def lcm_cross_view_scale(weights_path):
             float(w[:, :c].diagonal().mean()))
 
 
-def evaluate(run_dir, variants=VARIANTS, threads=1):
-    """{variant: AP@0.2} of the exported model in ``run_dir`` on the test split."""
+def lcm_probe(model, loader):
+    """(mean attention entropy / log(number of keys), mean ||cross-view part|| / ||own part|| of
+    the LCM fuse conv's output) over ``loader``: how selective the cross-view attention is, and
+    how much of the fused features comes from the other view."""
+    cva = model.backbone.bottom_up.lcm.to_main
+    entropy, ratio = [], []
+
+    def want_weights(mod, args, kwargs):
+        return args, dict(kwargs, need_weights=True, average_attn_weights=False)
+
+    def attention(mod, args, out):
+        w = out[1]  # (B, heads, queries, keys)
+        h = -(w.clamp_min(1e-12).log() * w).sum(-1) / math.log(w.shape[-1])
+        entropy.append(float(h.mean()))
+
+    def fuse(mod, args, out):
+        x, c = args[0], cva.in_channels
+        own = torch.nn.functional.conv2d(x[:, :c], mod.weight[:, :c])
+        cross = torch.nn.functional.conv2d(x[:, c:], mod.weight[:, c:])
+        ratio.append(float(cross.norm() / own.norm()))
+
+    hooks = [cva.attn.register_forward_pre_hook(want_weights, with_kwargs=True),
+             cva.attn.register_forward_hook(attention), cva.fuse.register_forward_hook(fuse)]
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(np.mean(entropy)), float(np.mean(ratio))
+
+
+def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
+    """{variant: AP@0.2} of the exported model in ``run_dir`` on the test split; with
+    ``probe`` > 0 also "probe": lcm_probe over that many test images."""
     cfg = build_cfg(os.path.join(run_dir, "config.yaml"),
                     ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", "NUM_THREADS", str(threads)])
     cfg = resolve_cfg(cfg)
@@ -84,6 +119,10 @@ def evaluate(run_dir, variants=VARIANTS, threads=1):
                                    trainer.build_evaluator(cfg, TEST, folder))
         result[v] = row_metric(res, "AP20")
         print(f"   {run_dir}: aux {v}: AP@0.2 {result[v]:.1f}", flush=True)
+    if probe:
+        result["probe"] = lcm_probe(model, build_multiview_test_loader(cfg, dicts[:probe]))
+        print(f"   {run_dir}: attention entropy {result['probe'][0]:.3f} of its maximum, "
+              f"cross-view / own features {result['probe'][1]:.4f}", flush=True)
     return result
 
 
@@ -94,11 +133,13 @@ def main(argv=None):
                     choices=[k for k in METHODS if "mv" in k])
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--probe", type=int, default=0,
+                    help="also lcm_probe on this many test images (attention, cross-view share)")
     a = ap.parse_args(argv)
     seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
     per_row, lines = {}, []
     for row in a.rows:
-        ap_ = {s: evaluate(os.path.join(a.runs, f"s{s}", row), threads=a.threads)
+        ap_ = {s: evaluate(os.path.join(a.runs, f"s{s}", row), threads=a.threads, probe=a.probe)
                for s in seeds if os.path.exists(os.path.join(a.runs, f"s{s}", row,
                                                              "model_export.pth"))}
         done = sorted(ap_)
@@ -122,6 +163,11 @@ def main(argv=None):
                   f"{scale[done[0]][1]:.4f}) per seed: "
                   + ", ".join(f"{scale[s][0]:.4f}" for s in done)
                   + "; own-feature diagonal: " + ", ".join(f"{scale[s][2]:.3f}" for s in done), ""]
+        if a.probe:
+            lines += ["Attention entropy / its maximum per seed: "
+                      + ", ".join(f"{ap_[s]['probe'][0]:.3f}" for s in done)
+                      + "; cross-view / own part of the fused features: "
+                      + ", ".join(f"{ap_[s]['probe'][1]:.4f}" for s in done), ""]
         per_row[row] = {"ap": {str(s): ap_[s] for s in done}, "effects": effects,
                         "lcm_cross_view_scale": {str(s): scale[s] for s in done}}
     text = "\n".join(lines)
