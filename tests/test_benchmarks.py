@@ -622,6 +622,27 @@ def test_aux_view_swaps_change_only_the_second_view(tmp_path, capsys, load_tool)
     std, init, diag = script.lcm_cross_view_scale(str(path))
     assert diag == 1.0 and init == pytest.approx(0.1 / 128 ** 0.5)
     assert std == pytest.approx(init, rel=0.05)
+    # lcm_probe on a model whose forward runs the LCM once per batch: the cross-view share is
+    # the fuse conv's cross-view part against its own-feature part, the entropy in (0, 1]
+    from types import SimpleNamespace
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = SimpleNamespace(bottom_up=SimpleNamespace(lcm=lcm))
+            self.lcm = lcm
+
+        def forward(self, batch):
+            return lcm.to_main(*batch)
+
+    u, v = torch.randn(1, 320, 4, 2), torch.randn(1, 320, 4, 2)
+    entropy, share = script.lcm_probe(Model().eval(), [(u, v)])
+    fuse = lcm.to_main.fuse.weight
+    with torch.no_grad():  # a fresh fuse is identity on u: the rest is the cross-view part
+        f = lcm.to_main(u, v) - torch.nn.functional.conv2d(u, fuse[:, :320]) \
+            - lcm.to_main.fuse.bias[None, :, None, None]
+    assert 0 < entropy <= 1
+    assert share == pytest.approx(float(f.norm() / u.norm()), rel=1e-4)
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
     assert exit_.value.code == 0 and "--runs" in capsys.readouterr().out
