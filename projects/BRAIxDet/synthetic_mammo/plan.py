@@ -133,6 +133,25 @@ def sample_lesion(rng, kind, malignant, cols, separation=1.0, size_scale=1.0, si
     return les
 
 
+def _view_y(rng, geo, view, x):
+    """A vertical position in ``view`` at distance ``x`` from the chest wall (left frame),
+    within 0.65 of the breast's half-height there."""
+    a = geo["a"]
+    b, cy = (geo["cc_b"], geo["cc_cy"]) if view == "CC" else (geo["mlo_b"], geo["mlo_cy"])
+    half = b * np.sqrt(max(0.0, 1 - (x / a) ** 2))
+    return cy + rng.uniform(-0.65, 0.65) * half
+
+
+def _fits(x, y, ext, view, allowed, placed, rows, cols):
+    """Whether a finding of extent ``ext`` centred at (x, y) of ``view`` lies ``ext`` + 2 inside
+    ``allowed[view]`` and clear of every ``placed`` one there."""
+    xi, yi = int(round(x)), int(round(y))
+    if not (0 <= yi < rows and 0 <= xi < cols) or allowed[view][yi, xi] < ext + 2:
+        return False
+    return not any(np.hypot(x - p["_xy"][view][0], y - p["_xy"][view][1])
+                   < ext + p["extent"] + 3 for p in placed)
+
+
 def place_lesions(rng, lesions, geo, allowed, rows, cols, occupied=()):
     """Chooses, per lesion, one depth from the nipple and one vertical position per view.
 
@@ -150,15 +169,8 @@ def place_lesions(rng, lesions, geo, allowed, rows, cols, occupied=()):
             x = a - depth
             cs = {}
             for view in VIEWS:
-                b, cy = (geo["cc_b"], geo["cc_cy"]) if view == "CC" else (geo["mlo_b"],
-                                                                           geo["mlo_cy"])
-                half = b * np.sqrt(max(0.0, 1 - (x / a) ** 2))
-                y = cy + rng.uniform(-0.65, 0.65) * half
-                xi, yi = int(round(x)), int(round(y))
-                if not (0 <= yi < rows and 0 <= xi < cols) or allowed[view][yi, xi] < ext + 2:
-                    break
-                if any(np.hypot(x - p["_xy"][view][0], y - p["_xy"][view][1])
-                       < ext + p["extent"] + 3 for p in placed):
+                y = _view_y(rng, geo, view, x)
+                if not _fits(x, y, ext, view, allowed, placed, rows, cols):
                     break
                 cs[view] = (float(x), float(y))
             if len(cs) == 2:
@@ -215,18 +227,13 @@ def summation_lookalikes(rng, mean, view, geo, allowed, lesions, rows, cols, **s
     ``allowed[view]`` and clear of the breast's ``lesions`` there; each gets ``_xy = {view: ..}``.
     """
     a = geo["a"]
-    b, cy = (geo["cc_b"], geo["cc_cy"]) if view == "CC" else (geo["mlo_b"], geo["mlo_cy"])
     placed = []
     for _ in range(int(rng.poisson(mean))):
         les = sample_lesion(rng, "mass", True, cols, **size)
         for _attempt in range(100):
             x = a - rng.uniform(0.2, 0.75) * a
-            y = cy + rng.uniform(-0.65, 0.65) * b * np.sqrt(max(0.0, 1 - (x / a) ** 2))
-            xi, yi = int(round(x)), int(round(y))
-            if not (0 <= yi < rows and 0 <= xi < cols) or allowed[view][yi, xi] < les["extent"] + 2:
-                continue
-            if any(np.hypot(x - p["_xy"][view][0], y - p["_xy"][view][1])
-                   < les["extent"] + p["extent"] + 3 for p in lesions + placed):
+            y = _view_y(rng, geo, view, x)
+            if not _fits(x, y, les["extent"], view, allowed, lesions + placed, rows, cols):
                 continue
             les["_xy"] = {view: (float(x), float(y))}
             placed.append(les)
