@@ -55,13 +55,13 @@ def swap_aux(dicts, variant, seed=0):
     return out
 
 
-def lcm_cross_view_scale(weights_path):
+def lcm_cross_view_scale(state_dict):
     """(std of the LCM fuse conv's weights on the cross-view features, their std at
-    initialisation, mean of its diagonal on the view's own features): the fuse starts as
-    identity on the view's features plus a small cross-view part (modeling/lcm.py)."""
-    sd = torch.load(weights_path, map_location="cpu", weights_only=False)
-    sd = sd.get("model", sd)
-    w = next(v for k, v in sd.items() if k.endswith("lcm.to_main.fuse.weight"))[:, :, 0, 0]
+    initialisation, mean of its diagonal on the view's own features) of a model's
+    ``state_dict``: the fuse starts as identity on the view's features plus a small
+    cross-view part (modeling/lcm.py)."""
+    w = next(v for k, v in state_dict.items()
+             if k.endswith("lcm.to_main.fuse.weight"))[:, :, 0, 0]
     c = w.shape[0]
     return (float(w[:, c:].std()), 0.1 / (w.shape[1] - c) ** 0.5,
             float(w[:, :c].diagonal().mean()))
@@ -101,8 +101,9 @@ def lcm_probe(model, loader):
 
 
 def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
-    """{variant: AP@0.2} of the exported model in ``run_dir`` on the test split; with
-    ``probe`` > 0 also "probe": lcm_probe over that many test images."""
+    """{variant: AP@0.2} of the exported model in ``run_dir`` on the test split, "lcm_scale":
+    its lcm_cross_view_scale, and with ``probe`` > 0 "probe": lcm_probe over that many test
+    images."""
     cfg = build_cfg(os.path.join(run_dir, "config.yaml"),
                     ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", "NUM_THREADS", str(threads)])
     cfg = resolve_cfg(cfg)
@@ -112,7 +113,7 @@ def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
     load_inference_weights(model, os.path.join(run_dir, "model_export.pth"))
     model.eval()
     dicts = get_dicts(TEST)
-    result = {}
+    result = {"lcm_scale": lcm_cross_view_scale(model.state_dict())}
     for v in variants:
         folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), TEST)
         res = inference_on_dataset(model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),
@@ -157,8 +158,7 @@ def main(argv=None):
             lines.append(f"| paired − {v} | {fmt_cell(e['mean'], '+.1f')} "
                          f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
                          f"{fmt_cell(e['p_t'], '.4f')} |")
-        scale = {s: lcm_cross_view_scale(os.path.join(a.runs, f"s{s}", row, "model_export.pth"))
-                 for s in done}
+        scale = {s: ap_[s]["lcm_scale"] for s in done}
         lines += ["", "LCM cross-view weights, std (at initialisation "
                   f"{scale[done[0]][1]:.4f}) per seed: "
                   + ", ".join(f"{scale[s][0]:.4f}" for s in done)

@@ -591,7 +591,7 @@ def test_plot_validation_curves_marks_the_evaluation_the_export_rule_keeps(tmp_p
         script.main([f"x={tmp_path / 'nowhere'}", "--out", str(tmp_path / "x.png")])
 
 
-def test_aux_view_swaps_change_only_the_second_view(tmp_path, capsys, load_tool):
+def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
     """experiment_aux_view.py (RESULTS §24): 'main' shows the main image twice; 'other breast'
     the expected view type of another patient's breast with the same laterality."""
     script = load_tool("experiment_aux_view", folder="benchmarks")
@@ -616,10 +616,8 @@ def test_aux_view_swaps_change_only_the_second_view(tmp_path, capsys, load_tool)
 
     torch.manual_seed(0)
     lcm = LocalCoOccurrenceModule(320, bidirectional=False)
-    path = tmp_path / "w.pth"
-    torch.save({"model": {f"backbone.bottom_up.lcm.{k}": v
-                          for k, v in lcm.state_dict().items()}}, path)
-    std, init, diag = script.lcm_cross_view_scale(str(path))
+    std, init, diag = script.lcm_cross_view_scale(
+        {f"backbone.bottom_up.lcm.{k}": v for k, v in lcm.state_dict().items()})
     assert diag == 1.0 and init == pytest.approx(0.1 / 128 ** 0.5)
     assert std == pytest.approx(init, rel=0.05)
     # lcm_probe on a model whose forward runs the LCM once per batch: the cross-view share is
