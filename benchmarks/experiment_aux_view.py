@@ -55,15 +55,16 @@ def swap_aux(dicts, variant, seed=0):
     return out
 
 
-def lcm_cross_view_scale(state_dict):
+def lcm_cross_view_scale(state_dict, gain=0.1):
     """(std of the LCM fuse conv's weights on the cross-view features, their std at
     initialisation, mean of its diagonal on the view's own features) of a model's
     ``state_dict``: the fuse starts as identity on the view's features plus a small
-    cross-view part (modeling/lcm.py)."""
+    cross-view part of std gain/sqrt(D') (modeling/lcm.py; ``gain``: the run's
+    LCM.CROSS_VIEW_INIT_GAIN)."""
     w = next(v for k, v in state_dict.items()
              if k.endswith("lcm.to_main.fuse.weight"))[:, :, 0, 0]
     c = w.shape[0]
-    return (float(w[:, c:].std()), 0.1 / (w.shape[1] - c) ** 0.5,
+    return (float(w[:, c:].std()), gain / (w.shape[1] - c) ** 0.5,
             float(w[:, :c].diagonal().mean()))
 
 
@@ -113,7 +114,8 @@ def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
     load_inference_weights(model, os.path.join(run_dir, "model_export.pth"))
     model.eval()
     dicts = get_dicts(TEST)
-    result = {"lcm_scale": lcm_cross_view_scale(model.state_dict())}
+    result = {"lcm_scale": lcm_cross_view_scale(
+        model.state_dict(), cfg.MODEL.BRAIXDET.LCM.CROSS_VIEW_INIT_GAIN)}
     for v in variants:
         folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), TEST)
         res = inference_on_dataset(model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),

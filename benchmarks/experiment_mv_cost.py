@@ -133,6 +133,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads per stage (NUM_THREADS; 0: the config's). 1 when two "
                          "processes share two cores: more threads than cores slow both")
+    ap.add_argument("--opts", nargs="+", default=[],
+                    help="config overrides for every stage, KEY VALUE ... (a candidate fix, "
+                         "e.g. MODEL.BRAIXDET.LCM.LR_FACTOR 10; RESULTS §25)")
     add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
@@ -143,13 +146,14 @@ def main(argv=None):
     args = run_args(a, a.protocol, a.ratio, 0, run_dir, rows)
     if a.threads:
         args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]
+    args.opts = [*args.opts, *a.opts]
     per_seed = run_seeds(args, a.seeds, run_dir)
     text, effects, answer = report(per_seed, a.root, a.seeds, rows)
     text += f"\n\n{(time.time() - t0) / 60:.1f} min.\n"
     atomic_write_text(os.path.join(out, "mv_cost.md"), text)
     atomic_write_json(os.path.join(out, "mv_cost.json"),
                       {"root": a.root, "seeds": a.seeds, "protocol": a.protocol, "ratio": a.ratio,
-                       "rows": rows, "effects": effects,
+                       "rows": rows, "opts": a.opts, "effects": effects,
                        "verdict": answer, "per_seed": [s["results"] for s in per_seed]},
                       indent=1)
     print("\n" + text)

@@ -120,6 +120,40 @@ def test_lcm_identity_init_and_uses_aux():
     assert LocalCoOccurrenceModule(16, 32, 4, 8, bidirectional=False).to_aux is None
 
 
+@pytest.mark.parametrize("gain", [0.1, 1.0])
+def test_lcm_cross_view_init_gain_from_config(gain):
+    """LCM.CROSS_VIEW_INIT_GAIN sets the std of the fuse conv's cross-view weights to
+    gain/sqrt(D') (both directions); the own-feature part stays the identity."""
+    model, cfg = build("MVCCLClassifier", **{"MODEL.BRAIXDET.LCM.CROSS_VIEW_INIT_GAIN": gain,
+                                            "MODEL.BRAIXDET.LCM.OUT_DIM": 256})
+    for cva in (model.bottom_up.lcm.to_main, model.bottom_up.lcm.to_aux):
+        w, c = cva.fuse.weight[:, :, 0, 0], cva.in_channels
+        assert torch.equal(w[:, :c], torch.eye(c))
+        assert w[:, c:].std().item() == pytest.approx(gain / 256 ** 0.5, rel=0.05)
+
+
+def test_lcm_lr_factor_scales_only_the_lcm():
+    """LCM.LR_FACTOR: the optimizer gives every LCM parameter BASE_LR * factor, every other
+    parameter the lr it had without the option, and each parameter sits in exactly one group."""
+    from braixdet.engine.trainers import BRAIxDetTrainer
+
+    model, cfg = build()
+    base = {id(p): g["lr"] for g in BRAIxDetTrainer.build_optimizer(cfg, model).param_groups
+            for p in g["params"]}
+    cfg.defrost()
+    cfg.MODEL.BRAIXDET.LCM.LR_FACTOR = 10.0
+    groups = BRAIxDetTrainer.build_optimizer(cfg, model).param_groups
+    lr = {}
+    for g in groups:
+        for p in g["params"]:
+            assert id(p) not in lr
+            lr[id(p)] = g["lr"]
+    lcm = {id(p) for p in model.backbone.bottom_up.lcm.parameters()}
+    assert lr.keys() == base.keys() and lcm and lcm < lr.keys()
+    for k, v in lr.items():
+        assert v == pytest.approx(base[k] * (10.0 if k in lcm else 1.0))
+
+
 def test_gcm_loss_formula():
     gcm = GlobalConsistencyModule(2)
     with torch.no_grad():

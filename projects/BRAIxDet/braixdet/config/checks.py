@@ -89,6 +89,8 @@ _CHECKS = {
     "INPUT.BRAIXDET.MASK_MARGIN": _number_in(0, 1),
     "INPUT.BRAIXDET.MASK_DOWNSAMPLE": _int_at_least(1),
     "INPUT.BRAIXDET.CACHE_FORMAT": _one_of("npy", "png"),
+    "MODEL.BRAIXDET.LCM.CROSS_VIEW_INIT_GAIN": _number_in(0, math.inf, hi_open=True),
+    "MODEL.BRAIXDET.LCM.LR_FACTOR": _number_in(0, math.inf, lo_open=True, hi_open=True),
     "MODEL.BRAIXDET.CAM.METHOD": _one_of(*METHODS),
     "MODEL.BRAIXDET.CAM.TARGET_LAYER": _one_of(*TARGET_LAYERS),
     "MODEL.BRAIXDET.CAM.TAU": _number_in(0, 1, lo_open=True, hi_open=True),

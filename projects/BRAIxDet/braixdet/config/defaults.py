@@ -52,6 +52,12 @@ def _add_model_config(cfg):
     b.LCM.NUM_HEADS = 4
     b.LCM.OUT_DIM = 128  # D': channels of f_l(u_m, u_a) before concatenation with u_m
     b.LCM.DROPOUT = 0.0
+    # The fuse conv starts as identity on u plus cross-view weights of std GAIN/sqrt(D') (see
+    # modeling/lcm.py), and the LCM learns at BASE_LR * LR_FACTOR: options for the cross-view
+    # path that stays at its initial scale (docs/RESULTS.md §24-§25); the defaults are the
+    # original reconstruction
+    b.LCM.CROSS_VIEW_INIT_GAIN = 0.1
+    b.LCM.LR_FACTOR = 1.0
     # Global consistency module (classifier only)
     b.GCM = CN()
     b.GCM.ENABLED = True

@@ -42,6 +42,7 @@ from ..data.build import (
 )
 from ..data.mapper import MultiViewDatasetMapper
 from ..evaluation import build_evaluator
+from ..modeling.lcm import LocalCoOccurrenceModule
 from ..modeling.rcnn import load_classifier_weights_from_cfg
 from ..ssl.box_sources import source_lookup, true_box_lookup
 from ..ssl.competitors import (
@@ -91,6 +92,25 @@ class LazyResumableLoader:
         if self._it is None:
             self._it = iter(self._build_fn(self.start_iter))
         return next(self._it)
+
+
+def scale_lr_of_modules(param_groups, model, module_type, factor):
+    """``param_groups`` (get_default_optimizer_params's) with the lr of every parameter of a
+    ``module_type`` module multiplied by ``factor``: such a parameter leaves its group for a
+    copy of it. By parameter identity, so it works whatever the groups were merged by."""
+    if factor == 1.0:
+        return param_groups
+    chosen = {id(p) for m in model.modules() if isinstance(m, module_type)
+              for p in m.parameters()}
+    out = []
+    for group in param_groups:
+        inside = [p for p in group["params"] if id(p) in chosen]
+        outside = [p for p in group["params"] if id(p) not in chosen]
+        if outside:
+            out.append({**group, "params": outside})
+        if inside:
+            out.append({**group, "params": inside, "lr": group["lr"] * factor})
+    return out
 
 
 def seed_iteration(base_seed: int, iteration: int):
@@ -364,6 +384,8 @@ class BRAIxTrainerBase(DefaultTrainer):
     def build_optimizer(cls, cfg, model):
         params = get_default_optimizer_params(
             model, base_lr=cfg.SOLVER.BASE_LR, weight_decay_norm=cfg.SOLVER.WEIGHT_DECAY_NORM)
+        params = scale_lr_of_modules(params, model, LocalCoOccurrenceModule,
+                                     cfg.MODEL.BRAIXDET.LCM.LR_FACTOR)
         # ADAM | SGD, any case (config/checks.py)
         if cfg.SOLVER.BRAIXDET.OPTIMIZER.upper() == "ADAM":
             # paper: Adam (stage 1 lr 1e-4 wd 1e-6; stage 2 lr 5e-5 wd 1e-5)

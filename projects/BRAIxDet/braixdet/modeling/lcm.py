@@ -40,9 +40,11 @@ def sine_position_encoding(h: int, w: int, dim: int, device=None, dtype=None) ->
 class CrossViewAttention(nn.Module):
     """One direction of the LCM: updates `u_q` (B, C, h, w) with information from `u_kv`."""
 
-    def __init__(self, in_channels, embed_dim=128, num_heads=4, out_dim=128, dropout=0.0):
+    def __init__(self, in_channels, embed_dim=128, num_heads=4, out_dim=128, dropout=0.0,
+                 cross_view_init_gain=0.1):
         super().__init__()
         self.in_channels = in_channels
+        self.cross_view_init_gain = cross_view_init_gain
         self.q_proj = nn.Conv2d(in_channels, embed_dim, 1)
         self.k_proj = nn.Conv2d(in_channels, embed_dim, 1)
         self.v_proj = nn.Conv2d(in_channels, embed_dim, 1)
@@ -57,13 +59,14 @@ class CrossViewAttention(nn.Module):
         # res5 features unchanged at the start instead of a random mixing of them, and the
         # multi-view and single-view models start from the same function. The cross-view part
         # is small but not zero, so its parameters get gradients from the first step (an exact
-        # zero init would also make the second view invisible until the first update).
+        # zero init would also make the second view invisible until the first update). Its
+        # std is gain/sqrt(D'): LCM.CROSS_VIEW_INIT_GAIN (docs/RESULTS.md §25).
         c = self.in_channels
         w = self.fuse.weight.data
         w.zero_()
         w[:, :c, 0, 0] = torch.eye(c)
         d_out = w.shape[1] - c
-        nn.init.normal_(w[:, c:], std=0.1 / math.sqrt(d_out))
+        nn.init.normal_(w[:, c:], std=self.cross_view_init_gain / math.sqrt(d_out))
         nn.init.zeros_(self.fuse.bias)
 
     def forward(self, u_q: torch.Tensor, u_kv: torch.Tensor) -> torch.Tensor:
@@ -89,10 +92,10 @@ class LocalCoOccurrenceModule(nn.Module):
 
     def __init__(
         self, in_channels, embed_dim=128, num_heads=4, out_dim=128, dropout=0.0,
-        bidirectional=True,
+        bidirectional=True, cross_view_init_gain=0.1,
     ):
         super().__init__()
-        args = (in_channels, embed_dim, num_heads, out_dim, dropout)
+        args = (in_channels, embed_dim, num_heads, out_dim, dropout, cross_view_init_gain)
         self.to_main = CrossViewAttention(*args)
         self.to_aux = CrossViewAttention(*args) if bidirectional else None
 
@@ -112,4 +115,5 @@ class LocalCoOccurrenceModule(nn.Module):
         return cls(
             in_channels, embed_dim=c.EMBED_DIM, num_heads=c.NUM_HEADS, out_dim=c.OUT_DIM,
             dropout=c.DROPOUT, bidirectional=bidirectional,
+            cross_view_init_gain=c.CROSS_VIEW_INIT_GAIN,
         )
