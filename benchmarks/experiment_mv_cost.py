@@ -136,6 +136,10 @@ def main(argv=None):
     ap.add_argument("--opts", nargs="+", default=[],
                     help="config overrides for every stage, KEY VALUE ... (a candidate fix, "
                          "e.g. MODEL.BRAIXDET.LCM.LR_FACTOR 10; RESULTS §25)")
+    ap.add_argument("--det-opts", nargs="+", default=[],
+                    help="config overrides for the detectors only (a detector option such as "
+                         "MODEL.BRAIXDET.LCM.EXTRA_FEATURES \"['res4']\", which the classifier "
+                         "refuses)")
     add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
@@ -143,7 +147,7 @@ def main(argv=None):
     run_dir = os.path.join(out, "full" if a.protocol == "full" else
                            "r" + a.ratio.replace("/", "_"))
     rows = [k for k in ROWS if k in a.rows]
-    args = run_args(a, a.protocol, a.ratio, 0, run_dir, rows)
+    args = run_args(a, a.protocol, a.ratio, 0, run_dir, rows, det_opts=a.det_opts)
     if a.threads:
         args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]
     args.opts = [*args.opts, *a.opts]
@@ -153,7 +157,7 @@ def main(argv=None):
     atomic_write_text(os.path.join(out, "mv_cost.md"), text)
     atomic_write_json(os.path.join(out, "mv_cost.json"),
                       {"root": a.root, "seeds": a.seeds, "protocol": a.protocol, "ratio": a.ratio,
-                       "rows": rows, "opts": a.opts, "effects": effects,
+                       "rows": rows, "opts": a.opts, "det_opts": a.det_opts, "effects": effects,
                        "verdict": answer, "per_seed": [s["results"] for s in per_seed]},
                       indent=1)
     print("\n" + text)

@@ -270,6 +270,44 @@ def test_rcnn_train_step(multi_view):
         assert lcm.to_main.attn.in_proj_weight.grad is not None
 
 
+def test_lcm_extra_features_fuse_res4_in_the_detector():
+    """LCM.EXTRA_FEATURES ["res4"]: the detector's res4 gets a main <- aux attention of its own
+    (res4 then depends on the aux view, res3 still does not), it trains, and the classifier's
+    weights load with only that attention left at its initialisation."""
+    det, cfg = build(**{"MODEL.BRAIXDET.LCM.EXTRA_FEATURES": ["res4"]})
+    bu = det.backbone.bottom_up
+    assert list(bu.lcm.finer) == ["res4"]
+    bu.eval()
+    x = torch.rand(1, 2, H, W)
+    other = torch.cat([x[:, :1], torch.rand(1, 1, H, W)], dim=1)
+    a, b = bu(x), bu(other)
+    assert not torch.allclose(a["res4"], b["res4"]) and not torch.allclose(a["res5"], b["res5"])
+    assert torch.equal(a["res3"], b["res3"])
+    det.train()
+    with EventStorage():
+        losses = det(make_inputs(2, boxes=True))
+    sum(losses.values()).backward()
+    assert bu.lcm.finer["res4"].attn.in_proj_weight.grad.abs().sum() > 0
+    cls, _ = build("MVCCLClassifier", seed=4)
+    report = load_classifier_weights(det, cls.state_dict())
+    assert report["missing"] and all(".lcm.finer.res4." in k for k in report["missing"])
+
+
+@pytest.mark.parametrize("meta,multi_view,extra", [
+    ("MVCCLClassifier", True, ["res4"]),  # the classifier's head reads res5 alone
+    ("MultiViewRCNN", False, ["res4"]),  # no LCM in a single-view detector
+    ("MultiViewRCNN", True, ["res5"]),  # res5 is fused anyway
+    ("MultiViewRCNN", True, ["res2"]),  # not an encoder output
+])
+def test_lcm_extra_features_refused_where_they_would_do_nothing(meta, multi_view, extra):
+    from braixdet.config import ConfigValueError, check_config
+
+    cfg = tiny_cfg(meta, multi_view=multi_view)
+    cfg.MODEL.BRAIXDET.LCM.EXTRA_FEATURES = extra
+    with pytest.raises(ConfigValueError, match="LCM.EXTRA_FEATURES"):
+        check_config(cfg)
+
+
 def test_grad_checkpointing_gives_the_same_losses_and_gradients():
     """MODEL.BRAIXDET.GRAD_CHECKPOINTING recomputes the encoder in backward (timm): same
     numbers as without it."""

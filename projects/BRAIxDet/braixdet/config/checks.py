@@ -130,6 +130,22 @@ def _check_supported_keys(cfg):
                 "INPUT.BRAIXDET.* (CANONICAL_SIZE, AUG.*)"))
 
 
+def _check_lcm_extra_features(cfg):
+    b = cfg.MODEL.BRAIXDET
+    extra = list(b.LCM.EXTRA_FEATURES)
+    if not extra:
+        return
+    key = "MODEL.BRAIXDET.LCM.EXTRA_FEATURES"
+    if not (b.MULTI_VIEW and b.LCM.ENABLED and cfg.MODEL.META_ARCHITECTURE == "MultiViewRCNN"):
+        # the classifier's head reads res5 alone: an attention on another stage would not train
+        raise ConfigValueError(key, extra, "[] unless the model is a multi-view detector with "
+                               "the LCM enabled (MultiViewRCNN, MULTI_VIEW, LCM.ENABLED)")
+    allowed = [f for f in b.OUT_FEATURES if f != "res5"]
+    if len(set(extra)) != len(extra) or not set(extra) <= set(allowed):
+        raise ConfigValueError(key, extra, f"distinct stages of MODEL.BRAIXDET.OUT_FEATURES "
+                               f"other than res5 (which the LCM always fuses): {allowed}")
+
+
 def check_config(cfg):
     """Raise ConfigValueError (one line: key, value, what is allowed) for the first value
     BRAIxDet does not accept; returns ``cfg``."""
@@ -140,6 +156,7 @@ def check_config(cfg):
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigValueError(key, value, allowed)
+    _check_lcm_extra_features(cfg)
     if cfg.SSL.STRONG_AUG_LABELLED and not cfg.SSL.STRONG_AUG:
         raise ConfigValueError("SSL.STRONG_AUG_LABELLED", True, "False unless SSL.STRONG_AUG "
                                "is True (the labelled copy uses the strong augmentation)")

@@ -58,6 +58,9 @@ def _add_model_config(cfg):
     # original reconstruction
     b.LCM.CROSS_VIEW_INIT_GAIN = 0.1
     b.LCM.LR_FACTOR = 1.0
+    # Finer encoder stages (e.g. ["res4"]) that get a main <- aux attention of their own in the
+    # multi-view detector, whose ROI pooler and RPN find small lesions there (RESULTS §25)
+    b.LCM.EXTRA_FEATURES = []
     # Global consistency module (classifier only)
     b.GCM = CN()
     b.GCM.ENABLED = True

@@ -90,10 +90,13 @@ class MultiViewBottomUp(Backbone):
         return self.encoder(x)
 
     def fuse(self, main_feats: dict, aux_feats: dict) -> dict:
-        """Main features with res5 replaced by ũ_m = LCM.to_main(u_m, u_a); others unchanged."""
+        """Main features with res5 replaced by ũ_m = LCM.to_main(u_m, u_a), and each of the
+        LCM's finer stages by its own attention (LCM.EXTRA_FEATURES); others unchanged."""
         out = dict(main_feats)
         if self.lcm is not None:
             out[FUSE_FEATURE] = self.lcm.to_main(main_feats[FUSE_FEATURE], aux_feats[FUSE_FEATURE])
+            for name, attention in self.lcm.finer.items():
+                out[name] = attention(main_feats[name], aux_feats[name])
         return out
 
     def forward(self, x):
@@ -142,8 +145,11 @@ def build_multiview_bottom_up(cfg, bidirectional: bool = False,
     encoder = _encoder_from_cfg(cfg, extra_features)
     lcm = None
     if b.MULTI_VIEW and b.LCM.ENABLED:
-        channels = encoder.output_shape()[FUSE_FEATURE].channels
-        lcm = LocalCoOccurrenceModule.from_cfg(cfg, channels, bidirectional=bidirectional)
+        shapes = encoder.output_shape()
+        # config/checks.py: detector only, each one of OUT_FEATURES
+        finer = {name: shapes[name].channels for name in b.LCM.EXTRA_FEATURES}
+        lcm = LocalCoOccurrenceModule.from_cfg(cfg, shapes[FUSE_FEATURE].channels,
+                                               bidirectional=bidirectional, finer_channels=finer)
     return MultiViewBottomUp(encoder, lcm, multi_view=b.MULTI_VIEW)
 
 

@@ -84,20 +84,25 @@ class CrossViewAttention(nn.Module):
 
 
 class LocalCoOccurrenceModule(nn.Module):
-    """`to_main` (main <- aux) and, in the classifier, `to_aux` (aux <- main).
+    """`to_main` (main <- aux) and, in the classifier, `to_aux` (aux <- main), on res5.
 
     The detector builds it with bidirectional=False: `to_aux` does not exist there, and the
     parameter names of `to_main` are identical so the detector loads the classifier's weights.
+    ``finer_channels`` {encoder feature: channels}: the detector's option of a main <- aux
+    attention of its own on finer stages too (`finer`, LCM.EXTRA_FEATURES), where its ROI
+    pooler and RPN find small lesions (docs/RESULTS.md §25).
     """
 
     def __init__(
         self, in_channels, embed_dim=128, num_heads=4, out_dim=128, dropout=0.0,
-        bidirectional=True, cross_view_init_gain=0.1,
+        bidirectional=True, cross_view_init_gain=0.1, finer_channels=None,
     ):
         super().__init__()
-        args = (in_channels, embed_dim, num_heads, out_dim, dropout, cross_view_init_gain)
-        self.to_main = CrossViewAttention(*args)
-        self.to_aux = CrossViewAttention(*args) if bidirectional else None
+        rest = (embed_dim, num_heads, out_dim, dropout, cross_view_init_gain)
+        self.to_main = CrossViewAttention(in_channels, *rest)
+        self.to_aux = CrossViewAttention(in_channels, *rest) if bidirectional else None
+        self.finer = nn.ModuleDict({name: CrossViewAttention(c, *rest)
+                                    for name, c in (finer_channels or {}).items()})
 
     @property
     def bidirectional(self) -> bool:
@@ -110,10 +115,10 @@ class LocalCoOccurrenceModule(nn.Module):
         return t_m, t_a
 
     @classmethod
-    def from_cfg(cls, cfg, in_channels, bidirectional):
+    def from_cfg(cls, cfg, in_channels, bidirectional, finer_channels=None):
         c = cfg.MODEL.BRAIXDET.LCM
         return cls(
             in_channels, embed_dim=c.EMBED_DIM, num_heads=c.NUM_HEADS, out_dim=c.OUT_DIM,
             dropout=c.DROPOUT, bidirectional=bidirectional,
-            cross_view_init_gain=c.CROSS_VIEW_INIT_GAIN,
+            cross_view_init_gain=c.CROSS_VIEW_INIT_GAIN, finer_channels=finer_channels,
         )
