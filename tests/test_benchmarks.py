@@ -620,6 +620,10 @@ def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
         {f"backbone.bottom_up.lcm.{k}": v for k, v in lcm.state_dict().items()})
     assert diag == 1.0 and init == pytest.approx(0.1 / 128 ** 0.5)
     assert std == pytest.approx(init, rel=0.05)
+    big = LocalCoOccurrenceModule(320, bidirectional=False, cross_view_init_gain=1.0)
+    std, init, _ = script.lcm_cross_view_scale(
+        {f"lcm.{k}": v for k, v in big.state_dict().items()}, gain=1.0)
+    assert init == pytest.approx(128 ** -0.5) and std == pytest.approx(init, rel=0.05)
     # lcm_probe on a model whose forward runs the LCM once per batch: the cross-view share is
     # the fuse conv's cross-view part against its own-feature part, the entropy in (0, 1]
     from types import SimpleNamespace
@@ -644,3 +648,51 @@ def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
     assert exit_.value.code == 0 and "--runs" in capsys.readouterr().out
+
+
+def test_lcm_grad_recorder_drift_tells_a_steady_gradient_from_noise(capsys, load_tool):
+    """experiment_lcm_grad.py (RESULTS §25): drift is 1 for a gradient of constant direction
+    and near the noise floor sqrt(2/(πT)) for random signs; the fuse conv is split into its
+    own and cross-view parts; "moved" is ||w_T - w_0|| / ||w_0||."""
+    import math
+
+    import torch
+    from torch import nn
+
+    from braixdet.modeling.lcm import CrossViewAttention
+
+    script = load_tool("experiment_lcm_grad", folder="benchmarks")
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.cva = CrossViewAttention(16, embed_dim=8, num_heads=2, out_dim=8)
+    weights = script.tracked_weights(model)
+    assert set(weights) == {"cva.fuse, cross-view part", "cva.fuse, own part", "cva.q_proj",
+                            "cva.k_proj", "cva.v_proj", "cva.out_proj"}
+    recorder = script.GradientRecorder(weights)
+    fuse = model.cva.fuse.weight
+    w0 = fuse.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    steps = 400
+    for _ in range(steps):
+        grad = torch.zeros_like(fuse)
+        grad[:, :16] = 0.5  # own part: a steady direction
+        grad[:, 16:] = torch.randn(fuse[:, 16:].shape, generator=g)  # cross-view part: noise
+        fuse.grad = grad
+        recorder.after_step()
+    with torch.no_grad():
+        fuse[:, 16:] += 1.0
+    out = recorder.summary()
+    assert out["steps"] == steps
+    assert out["noise_floor"] == pytest.approx((2 / (math.pi * steps)) ** 0.5)
+    rows = out["weights"]
+    assert rows["cva.fuse, own part"]["drift"] == pytest.approx(1.0)
+    assert rows["cva.fuse, cross-view part"]["drift"] == pytest.approx(out["noise_floor"], rel=0.1)
+    assert "cva.q_proj" not in rows  # no gradient reached it
+    cross = w0[:, 16:]
+    assert rows["cva.fuse, cross-view part"]["moved"] == pytest.approx(
+        float(torch.ones_like(cross).norm() / cross.norm()), rel=1e-5)
+    assert rows["cva.fuse, own part"]["moved"] == 0.0
+    assert "| cva.fuse, own part | 1.000 |" in script.report(out)
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--help"])
+    assert exit_.value.code == 0 and "--config" in capsys.readouterr().out
