@@ -12,6 +12,7 @@ view of another patient's breast with the same laterality). A detector that igno
 view scores the same on all three. Writes <out>/aux_view.md and aux_view.json: AP@0.2 per
 seed and each change paired by seed (mean, 95% t interval, paired t p), and the scale of the
 LCM's cross-view weights in each export against their initial scale (``lcm_cross_view_scale``).
+``--rows mvccl`` asks the same of the stage-1 BRAIxMVCCL classifier, by its test AUC.
 Not part of `make bench`.
 """
 import argparse
@@ -33,6 +34,8 @@ from braixdet.utils.checkpoint import load_inference_weights
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 TEST = "cbis_ddsm_test"
+# the stage-1 classifier (``--rows mvccl``): image-level AUC on the classification test split
+CLASSIFIER, TEST_CLS = "mvccl", "cbis_ddsm_test_cls"
 VARIANTS = ("paired", "main", "other breast")
 
 
@@ -72,7 +75,7 @@ def lcm_probe(model, loader):
     """(mean attention entropy / log(number of keys), mean ||cross-view part|| / ||own part|| of
     the LCM fuse conv's output) over ``loader``: how selective the cross-view attention is, and
     how much of the fused features comes from the other view."""
-    cva = model.backbone.bottom_up.lcm.to_main
+    cva = getattr(model, "backbone", model).bottom_up.lcm.to_main  # detector or classifier
     entropy, ratio = [], []
 
     def want_weights(mod, args, kwargs):
@@ -113,15 +116,18 @@ def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
     model = trainer.build_model(cfg)
     load_inference_weights(model, os.path.join(run_dir, "model_export.pth"))
     model.eval()
-    dicts = get_dicts(TEST)
+    classifier = cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier"
+    test = TEST_CLS if classifier else TEST
+    dicts = get_dicts(test)
     result = {"lcm_scale": lcm_cross_view_scale(
         model.state_dict(), cfg.MODEL.BRAIXDET.LCM.CROSS_VIEW_INIT_GAIN)}
     for v in variants:
-        folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), TEST)
+        folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), test)
         res = inference_on_dataset(model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),
-                                   trainer.build_evaluator(cfg, TEST, folder))
-        result[v] = row_metric(res, "AP20")
-        print(f"   {run_dir}: aux {v}: AP@0.2 {result[v]:.1f}", flush=True)
+                                   trainer.build_evaluator(cfg, test, folder))
+        result[v] = 100 * res["classification"]["AUC"] if classifier else row_metric(res, "AP20")
+        print(f"   {run_dir}: aux {v}: {'AUC' if classifier else 'AP@0.2'} {result[v]:.1f}",
+              flush=True)
     if probe:
         result["probe"] = lcm_probe(model, build_multiview_test_loader(cfg, dicts[:probe]))
         print(f"   {run_dir}: attention entropy {result['probe'][0]:.3f} of its maximum, "
@@ -133,7 +139,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", required=True, help="a folder of seed folders s<N> (run_seeds)")
     ap.add_argument("--rows", nargs="+", default=["faster_rcnn_mv_sv_init", "faster_rcnn_mv"],
-                    choices=[k for k in METHODS if "mv" in k])
+                    choices=[k for k in METHODS if "mv" in k] + [CLASSIFIER],
+                    help=f"multi-view rows; {CLASSIFIER!r}: the BRAIxMVCCL classifier (test AUC)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--probe", type=int, default=0,
@@ -146,7 +153,9 @@ def main(argv=None):
                for s in seeds if os.path.exists(os.path.join(a.runs, f"s{s}", row,
                                                              "model_export.pth"))}
         done = sorted(ap_)
-        lines += [f"**{METHODS[row].label}**, seeds {done}, test AP@0.2:", "",
+        label, metric = ((f"BRAIxMVCCL ({CLASSIFIER})", "AUC × 100") if row == CLASSIFIER
+                         else (METHODS[row].label, "AP@0.2"))
+        lines += [f"**{label}**, seeds {done}, test {metric}:", "",
                   "| aux image | " + " | ".join(f"seed {s}" for s in done) + " | mean |",
                   "|---|" + "---|" * (len(done) + 1)]
         for v in VARIANTS:
