@@ -5,17 +5,20 @@
       --out out/aux_view
 
 docs/RESULTS.md §24. For each seed folder s<N> under --runs and each multi-view row, the row's
-exported model is evaluated on the test split three times, changing only the auxiliary image:
+exported model is evaluated on the test split four times, changing only the auxiliary image:
 ``paired`` (the other view of the same breast, as trained), ``main`` (the main image itself:
 whatever the main view shows, the second view now shows too) and ``other breast`` (the other
 view of another patient's breast with the same laterality). A detector that ignores its second
-view scores the same on all three. Writes <out>/aux_view.md and aux_view.json: AP@0.2 per
-seed and each change paired by seed (mean, 95% t interval, paired t p), and the scale of the
-LCM's cross-view weights in each export against their initial scale (``lcm_cross_view_scale``).
+view scores the same on all three. ``paired, LCM off`` zeroes the LCM attentions' cross-view
+fuse weights (lcm_cross_view_off): whether their output matters at all, whatever it carries.
+Writes <out>/aux_view.md and aux_view.json: AP@0.2 per seed and each change paired by seed
+(mean, 95% t interval, paired t p), and the scale of the LCM's cross-view weights in each
+export against their initial scale (``lcm_cross_view_scale``).
 ``--rows mvccl`` asks the same of the stage-1 BRAIxMVCCL classifier, by its test AUC.
 Not part of `make bench`.
 """
 import argparse
+import contextlib
 import copy
 import math
 import os
@@ -28,6 +31,7 @@ from detectron2.evaluation import inference_on_dataset
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.data.build import build_multiview_test_loader, get_dicts
 from braixdet.engine import trainer_class
+from braixdet.modeling.lcm import CrossViewAttention
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
 from braixdet.utils.checkpoint import load_inference_weights
@@ -36,13 +40,14 @@ from braixdet.utils.io import atomic_write_json, atomic_write_text
 TEST = "cbis_ddsm_test"
 # the stage-1 classifier (``--rows mvccl``): image-level AUC on the classification test split
 CLASSIFIER, TEST_CLS = "mvccl", "cbis_ddsm_test_cls"
-VARIANTS = ("paired", "main", "other breast")
+VARIANTS = ("paired", "main", "other breast", "paired, LCM off")
+LCM_OFF = VARIANTS[3]
 
 
 def swap_aux(dicts, variant, seed=0):
     """Copies of ``dicts`` whose auxiliary image is ``variant`` (module docstring)."""
     out = copy.deepcopy(dicts)
-    if variant == "paired":
+    if variant in ("paired", LCM_OFF):
         return out
     if variant == "main":
         for d in out:
@@ -69,6 +74,25 @@ def lcm_cross_view_scale(state_dict, gain=0.1):
     c = w.shape[0]
     return (float(w[:, c:].std()), gain / (w.shape[1] - c) ** 0.5,
             float(w[:, :c].diagonal().mean()))
+
+
+@contextlib.contextmanager
+def lcm_cross_view_off(model):
+    """Within: every LCM attention's cross-view fuse weights are 0, so its output is the
+    view's own features through the fuse's own part; restored on exit."""
+    saved = []
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, CrossViewAttention):
+                w = m.fuse.weight[:, m.in_channels:]
+                saved.append((w, w.clone()))
+                w.zero_()
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for w, value in saved:
+                w.copy_(value)
 
 
 def lcm_probe(model, loader):
@@ -123,8 +147,10 @@ def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
         model.state_dict(), cfg.MODEL.BRAIXDET.LCM.CROSS_VIEW_INIT_GAIN)}
     for v in variants:
         folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), test)
-        res = inference_on_dataset(model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),
-                                   trainer.build_evaluator(cfg, test, folder))
+        with lcm_cross_view_off(model) if v == LCM_OFF else contextlib.nullcontext():
+            res = inference_on_dataset(
+                model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),
+                trainer.build_evaluator(cfg, test, folder))
         result[v] = 100 * res["classification"]["AUC"] if classifier else row_metric(res, "AP20")
         print(f"   {run_dir}: aux {v}: {'AUC' if classifier else 'AP@0.2'} {result[v]:.1f}",
               flush=True)

@@ -609,6 +609,7 @@ def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
         assert {k: v for k, v in o.items() if k != "aux_file_name"} == \
             {k: v for k, v in d.items() if k != "aux_file_name"}  # boxes, labels kept
     assert dicts[0]["aux_file_name"] == "a_L_MLO"  # the input is not modified
+    assert script.swap_aux(dicts, script.LCM_OFF) == dicts  # the images as paired
     # the LCM weight scale of a freshly initialised module: identity diagonal, initial std
     import torch
 
@@ -645,6 +646,11 @@ def test_aux_view_swaps_change_only_the_second_view(capsys, load_tool):
             - lcm.to_main.fuse.bias[None, :, None, None]
     assert 0 < entropy <= 1
     assert share == pytest.approx(float(f.norm() / u.norm()), rel=1e-4)
+    before = {k: v.clone() for k, v in lcm.state_dict().items()}
+    with script.lcm_cross_view_off(Model()), torch.no_grad():
+        off = lcm.to_main(u, v)  # the own part alone: the identity plus the (zero) bias
+        assert torch.allclose(off, u, atol=1e-6)
+    assert all(torch.equal(before[k], w) for k, w in lcm.state_dict().items())  # restored
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
     assert exit_.value.code == 0 and "--runs" in capsys.readouterr().out
