@@ -5,7 +5,7 @@
       --out out/aux_view
 
 docs/RESULTS.md §24. For each seed folder s<N> under --runs and each multi-view row, the row's
-exported model is evaluated on the test split four times, changing only the auxiliary image:
+exported model is evaluated on the test split four times, three changing only the auxiliary image:
 ``paired`` (the other view of the same breast, as trained), ``main`` (the main image itself:
 whatever the main view shows, the second view now shows too) and ``other breast`` (the other
 view of another patient's breast with the same laterality). A detector that ignores its second
