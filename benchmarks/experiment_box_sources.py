@@ -101,8 +101,8 @@ def main(argv=None):
     a.root, record = make_regime("benchmark_a", dict(DEV_SET), a.out)
     suffix = "" if a.seed == 0 else f"_s{a.seed}"  # seed 0: experiment_stage1_dev's folder
     run_dir = os.path.join(a.out, a.stage1 + suffix)
-    args = run_args(a, "partial", "1/8", a.seed, run_dir, list(ROWS))
-    args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]  # 1: as experiment_stage1_dev.py
+    # --threads 1 by default: as experiment_stage1_dev.py
+    args = run_args(a, "partial", "1/8", a.seed, run_dir, list(ROWS), threads=a.threads)
     args.stage1_opts = [*args.stage1_opts, *CANDIDATES[a.stage1]]
     args.det_opts = [*args.det_opts, "SSL.PSEUDO_QUALITY", "True"]
     summary = Pipeline(args).run_all()

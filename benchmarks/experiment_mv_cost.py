@@ -147,9 +147,8 @@ def main(argv=None):
     run_dir = os.path.join(out, "full" if a.protocol == "full" else
                            "r" + a.ratio.replace("/", "_"))
     rows = [k for k in ROWS if k in a.rows]
-    args = run_args(a, a.protocol, a.ratio, 0, run_dir, rows, det_opts=a.det_opts)
-    if a.threads:
-        args.opts = [*args.opts, "NUM_THREADS", str(a.threads)]
+    args = run_args(a, a.protocol, a.ratio, 0, run_dir, rows, det_opts=a.det_opts,
+                    threads=a.threads)
     args.opts = [*args.opts, *a.opts]
     per_seed = run_seeds(args, a.seeds, run_dir)
     text, effects, answer = report(per_seed, a.root, a.seeds, rows)

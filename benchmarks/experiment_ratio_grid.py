@@ -30,11 +30,16 @@ from braixdet.pipeline.results import METRICS, summarize
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 
-def run_args(a, protocol, ratio, seed, out, methods, det_opts=()):
-    return demo_config_args(a.root, out, size=a.size, stage1_epochs=a.stage1_epochs,
+def run_args(a, protocol, ratio, seed, out, methods, det_opts=(), threads=0):
+    """The pipeline's arguments on the demo configs; ``threads`` > 0: torch threads of every
+    stage (NUM_THREADS; 1 when two experiment processes share two cores)."""
+    args = demo_config_args(a.root, out, size=a.size, stage1_epochs=a.stage1_epochs,
                             det_epochs=a.det_epochs, seed=seed, ratio=ratio, protocol=protocol,
                             methods=methods, det_opts=det_opts,
                             cache_dir=os.path.join(os.path.abspath(a.out), "cache"))
+    if threads:
+        args.opts = [*args.opts, "NUM_THREADS", str(threads)]
+    return args
 
 
 def ratio_table(per_seed, baseline):
