@@ -140,6 +140,8 @@ def main(argv=None):
                     help="config overrides for the detectors only (a detector option such as "
                          "MODEL.BRAIXDET.LCM.EXTRA_FEATURES \"['res4']\", which the classifier "
                          "refuses)")
+    ap.add_argument("--stage1-opts", nargs="+", default=[],
+                    help="config overrides for the stage-1 classifiers only")
     add_dev_set_arguments(ap)
     a = ap.parse_args(argv)
     make_dev_set(a)
@@ -150,13 +152,15 @@ def main(argv=None):
     args = run_args(a, a.protocol, a.ratio, 0, run_dir, rows, det_opts=a.det_opts,
                     threads=a.threads)
     args.opts = [*args.opts, *a.opts]
+    args.stage1_opts = [*args.stage1_opts, *a.stage1_opts]
     per_seed = run_seeds(args, a.seeds, run_dir)
     text, effects, answer = report(per_seed, a.root, a.seeds, rows)
     text += f"\n\n{(time.time() - t0) / 60:.1f} min.\n"
     atomic_write_text(os.path.join(out, "mv_cost.md"), text)
     atomic_write_json(os.path.join(out, "mv_cost.json"),
                       {"root": a.root, "seeds": a.seeds, "protocol": a.protocol, "ratio": a.ratio,
-                       "rows": rows, "opts": a.opts, "det_opts": a.det_opts, "effects": effects,
+                       "rows": rows, "opts": a.opts, "stage1_opts": a.stage1_opts,
+                       "det_opts": a.det_opts, "effects": effects,
                        "verdict": answer, "per_seed": [s["results"] for s in per_seed]},
                       indent=1)
     print("\n" + text)

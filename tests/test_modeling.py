@@ -240,6 +240,28 @@ def test_mvccl_uses_second_view(trained_classifier):
     assert (g1 - g2).abs().max() < 1e-6 * scale
 
 
+def test_classifier_head_reading_the_aux_view_only_through_the_lcm():
+    """CLS_HEAD_READS_AUX False (GCM off): the logit depends on the second view, and only
+    through the LCM: with its cross-view fuse weights zeroed the aux view changes nothing."""
+    from braixdet.config import ConfigValueError, check_config
+
+    model, cfg = build("MVCCLClassifier", **{"MODEL.BRAIXDET.CLS_HEAD_READS_AUX": False,
+                                            "MODEL.BRAIXDET.GCM.ENABLED": False})
+    check_config(cfg)
+    inputs = make_inputs(4, seed=3)
+    calibrate_bn(model, inputs)
+    x = model.preprocess_image(inputs).tensor
+    other = torch.cat([x[:, :1], x.flip(0)[:, 1:2]], dim=1)  # other images as second views
+    with torch.no_grad():
+        assert not torch.allclose(model.forward_tensor(x)[0], model.forward_tensor(other)[0])
+        model.bottom_up.lcm.to_main.fuse.weight[:, model.bottom_up.lcm.to_main.in_channels:] = 0
+        assert torch.allclose(model.forward_tensor(x)[0], model.forward_tensor(other)[0],
+                              atol=1e-6)
+    cfg.MODEL.BRAIXDET.GCM.ENABLED = True  # its global feature reads the aux view
+    with pytest.raises(ConfigValueError, match="CLS_HEAD_READS_AUX"):
+        check_config(cfg)
+
+
 def test_single_view_classifier_ignores_aux():
     model, _ = build("MVCCLClassifier", multi_view=False)
     inputs = make_inputs(2, seed=1)

@@ -157,6 +157,13 @@ def check_config(cfg):
         if not ok(value):
             raise ConfigValueError(key, value, allowed)
     _check_lcm_extra_features(cfg)
+    b = cfg.MODEL.BRAIXDET
+    if not b.CLS_HEAD_READS_AUX and not (
+            cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier" and b.MULTI_VIEW
+            and b.LCM.ENABLED and not b.GCM.ENABLED):
+        raise ConfigValueError("MODEL.BRAIXDET.CLS_HEAD_READS_AUX", False, (
+            "True unless the model is the multi-view classifier with the LCM enabled and "
+            "GCM.ENABLED False (its global feature reads the aux view)"))
     if cfg.SSL.STRONG_AUG_LABELLED and not cfg.SSL.STRONG_AUG:
         raise ConfigValueError("SSL.STRONG_AUG_LABELLED", True, "False unless SSL.STRONG_AUG "
                                "is True (the labelled copy uses the strong augmentation)")

@@ -66,6 +66,10 @@ def _add_model_config(cfg):
     b.GCM.ENABLED = True
     b.GCM.LOSS_WEIGHT = 1.0
     # Classifier head (MVCCL)
+    # False: the head reads [max, GAP] of the LCM's main output only, so the second view reaches
+    # the logit through the LCM alone (needs GCM.ENABLED False; RESULTS §25's diagnostic of an
+    # LCM the paper's head, which also reads the aux view directly, leaves untrained)
+    b.CLS_HEAD_READS_AUX = True
     b.CLS_HIDDEN_DIM = 256
     b.CLS_DROPOUT = 0.0
     # Algorithm 1 (GradCAM pseudo-boxes): threshold τ and component-area limits, given in

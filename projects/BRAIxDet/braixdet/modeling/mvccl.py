@@ -19,14 +19,15 @@ class MVCCLClassifier(nn.Module):
     """Two views -> one malignancy logit for the main view.
 
     Head input: concat[GCM global g_m + P(g_a), GAP(ũ_m), GAP(ũ_a)] (multi-view) or
-    concat[GMP(u_m), GAP(u_m)] (single view: the same head without the second view).
+    concat[GMP(u_m), GAP(u_m)] (single view: the same head without the second view), or
+    concat[GMP(ũ_m), GAP(ũ_m)] with ``head_reads_aux`` False (the second view via the LCM only).
     """
 
     @configurable
     def __init__(
         self, *, bottom_up: MultiViewBottomUp, gcm: GlobalConsistencyModule = None,
         head: nn.Module, pixel_mean, pixel_std, multi_view: bool = True,
-        consistency_weight: float = 1.0,
+        consistency_weight: float = 1.0, head_reads_aux: bool = True,
     ):
         super().__init__()
         self.bottom_up = bottom_up
@@ -34,6 +35,7 @@ class MVCCLClassifier(nn.Module):
         self.head = head
         self.multi_view = multi_view
         self.consistency_weight = consistency_weight
+        self.head_reads_aux = head_reads_aux
         self.register_buffer("pixel_mean", torch.tensor(pixel_mean).view(-1, 1, 1), False)
         self.register_buffer("pixel_std", torch.tensor(pixel_std).view(-1, 1, 1), False)
 
@@ -46,7 +48,8 @@ class MVCCLClassifier(nn.Module):
         c = bottom_up.output_shape()[FUSE_FEATURE].channels
         multi_view = bool(b.MULTI_VIEW)
         gcm = GlobalConsistencyModule(c) if multi_view and b.GCM.ENABLED else None
-        in_dim = 3 * c if multi_view else 2 * c
+        # config/checks.py: CLS_HEAD_READS_AUX False only multi-view, LCM on, GCM off
+        in_dim = 3 * c if multi_view and b.CLS_HEAD_READS_AUX else 2 * c
         head = nn.Sequential(
             nn.Linear(in_dim, b.CLS_HIDDEN_DIM), nn.ReLU(inplace=True),
             nn.Dropout(b.CLS_DROPOUT), nn.Linear(b.CLS_HIDDEN_DIM, 1),
@@ -55,6 +58,7 @@ class MVCCLClassifier(nn.Module):
             "bottom_up": bottom_up, "gcm": gcm, "head": head,
             "pixel_mean": cfg.MODEL.PIXEL_MEAN, "pixel_std": cfg.MODEL.PIXEL_STD,
             "multi_view": multi_view, "consistency_weight": b.GCM.LOSS_WEIGHT,
+            "head_reads_aux": bool(b.CLS_HEAD_READS_AUX),
         }
 
     @property
@@ -100,7 +104,10 @@ class MVCCLClassifier(nn.Module):
                 extras["loss_sim"] = self.gcm.consistency_loss(g_m, g_a)
             else:
                 g = torch.amax(t_m, dim=(2, 3))
-            z = torch.cat([g, t_m.mean(dim=(2, 3)), t_a.mean(dim=(2, 3))], dim=1)
+            if self.head_reads_aux:
+                z = torch.cat([g, t_m.mean(dim=(2, 3)), t_a.mean(dim=(2, 3))], dim=1)
+            else:  # the second view only through the LCM (CLS_HEAD_READS_AUX False)
+                z = torch.cat([torch.amax(t_m, dim=(2, 3)), t_m.mean(dim=(2, 3))], dim=1)
         else:
             feats = bu.encode(x[:, :1])
             t_m = feats[FUSE_FEATURE]
