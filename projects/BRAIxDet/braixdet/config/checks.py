@@ -146,6 +146,16 @@ def _check_lcm_extra_features(cfg):
                                f"other than res5 (which the LCM always fuses): {allowed}")
 
 
+def _check_cls_head_reads_aux(cfg):
+    b = cfg.MODEL.BRAIXDET
+    if not b.CLS_HEAD_READS_AUX and not (
+            cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier" and b.MULTI_VIEW
+            and b.LCM.ENABLED and not b.GCM.ENABLED):
+        raise ConfigValueError("MODEL.BRAIXDET.CLS_HEAD_READS_AUX", False, (
+            "True unless the model is the multi-view classifier with the LCM enabled and "
+            "GCM.ENABLED False (its global feature reads the aux view)"))
+
+
 def check_config(cfg):
     """Raise ConfigValueError (one line: key, value, what is allowed) for the first value
     BRAIxDet does not accept; returns ``cfg``."""
@@ -157,13 +167,7 @@ def check_config(cfg):
         if not ok(value):
             raise ConfigValueError(key, value, allowed)
     _check_lcm_extra_features(cfg)
-    b = cfg.MODEL.BRAIXDET
-    if not b.CLS_HEAD_READS_AUX and not (
-            cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier" and b.MULTI_VIEW
-            and b.LCM.ENABLED and not b.GCM.ENABLED):
-        raise ConfigValueError("MODEL.BRAIXDET.CLS_HEAD_READS_AUX", False, (
-            "True unless the model is the multi-view classifier with the LCM enabled and "
-            "GCM.ENABLED False (its global feature reads the aux view)"))
+    _check_cls_head_reads_aux(cfg)
     if cfg.SSL.STRONG_AUG_LABELLED and not cfg.SSL.STRONG_AUG:
         raise ConfigValueError("SSL.STRONG_AUG_LABELLED", True, "False unless SSL.STRONG_AUG "
                                "is True (the labelled copy uses the strong augmentation)")
