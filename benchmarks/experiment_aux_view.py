@@ -31,7 +31,7 @@ from detectron2.evaluation import inference_on_dataset
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.data.build import build_multiview_test_loader, get_dicts
 from braixdet.engine import trainer_class
-from braixdet.modeling.lcm import CrossViewAttention
+from braixdet.modeling.lcm import CrossViewAttention, cross_view_init_std
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
 from braixdet.utils.checkpoint import load_inference_weights
@@ -72,7 +72,7 @@ def lcm_cross_view_scale(state_dict, gain=0.1):
     w = next(v for k, v in state_dict.items()
              if k.endswith("lcm.to_main.fuse.weight"))[:, :, 0, 0]
     c = w.shape[0]
-    return (float(w[:, c:].std()), gain / (w.shape[1] - c) ** 0.5,
+    return (float(w[:, c:].std()), cross_view_init_std(gain, w.shape[1] - c),
             float(w[:, :c].diagonal().mean()))
 
 

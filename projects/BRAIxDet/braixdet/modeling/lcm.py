@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["CrossViewAttention", "LocalCoOccurrenceModule", "sine_position_encoding"]
+__all__ = ["CrossViewAttention", "LocalCoOccurrenceModule", "cross_view_init_std",
+           "sine_position_encoding"]
 
 
 def sine_position_encoding(h: int, w: int, dim: int, device=None, dtype=None) -> torch.Tensor:
@@ -35,6 +36,11 @@ def sine_position_encoding(h: int, w: int, dim: int, device=None, dtype=None) ->
         [py[:, None, :].expand(h, w, npf), px[None, :, :].expand(h, w, npf)], dim=2
     ).reshape(h * w, dim)
     return pos.to(dtype) if dtype is not None else pos
+
+
+def cross_view_init_std(gain: float, out_dim: int) -> float:
+    """Initial std of the fuse conv's weights on the D' = ``out_dim`` attention channels."""
+    return gain / math.sqrt(out_dim)
 
 
 class CrossViewAttention(nn.Module):
@@ -66,7 +72,7 @@ class CrossViewAttention(nn.Module):
         w.zero_()
         w[:, :c, 0, 0] = torch.eye(c)
         d_out = w.shape[1] - c
-        nn.init.normal_(w[:, c:], std=self.cross_view_init_gain / math.sqrt(d_out))
+        nn.init.normal_(w[:, c:], std=cross_view_init_std(self.cross_view_init_gain, d_out))
         nn.init.zeros_(self.fuse.bias)
 
     def forward(self, u_q: torch.Tensor, u_kv: torch.Tensor) -> torch.Tensor:

@@ -104,10 +104,12 @@ class MVCCLClassifier(nn.Module):
                 extras["loss_sim"] = self.gcm.consistency_loss(g_m, g_a)
             else:
                 g = torch.amax(t_m, dim=(2, 3))
+            z = [g, t_m.mean(dim=(2, 3))]
+            # CLS_HEAD_READS_AUX False: the second view only through the LCM (the GCM is off
+            # then, so g is GMP(ũ_m))
             if self.head_reads_aux:
-                z = torch.cat([g, t_m.mean(dim=(2, 3)), t_a.mean(dim=(2, 3))], dim=1)
-            else:  # the second view only through the LCM (CLS_HEAD_READS_AUX False)
-                z = torch.cat([torch.amax(t_m, dim=(2, 3)), t_m.mean(dim=(2, 3))], dim=1)
+                z.append(t_a.mean(dim=(2, 3)))
+            z = torch.cat(z, dim=1)
         else:
             feats = bu.encode(x[:, :1])
             t_m = feats[FUSE_FEATURE]
