@@ -16,7 +16,7 @@ from braixdet.modeling import (
     load_classifier_weights,
     load_classifier_weights_from_cfg,
 )
-from braixdet.modeling.backbone import build_braixdet_fpn_backbone
+from braixdet.modeling.backbone import AuxGlobalFPN, build_braixdet_fpn_backbone
 
 H, W = 128, 64
 
@@ -330,6 +330,51 @@ def test_lcm_extra_features_refused_where_they_would_do_nothing(meta, multi_view
         check_config(cfg)
 
 
+def test_det_reads_aux_global_starts_as_the_fpn_and_learns_the_aux_view():
+    """DET_READS_AUX_GLOBAL: every FPN level gets a map of the aux view's [max, mean] res5,
+    zero at the start (the output is detectron2's FPN's), trained from the first step, and
+    then the only way the aux view reaches the features when the LCM is off."""
+    from detectron2.modeling.backbone.fpn import FPN
+
+    det, _ = build(**{"MODEL.BRAIXDET.DET_READS_AUX_GLOBAL": True,
+                      "MODEL.BRAIXDET.LCM.ENABLED": False})
+    fpn = det.backbone
+    assert isinstance(fpn, AuxGlobalFPN)
+    calibrate_bn(det, make_inputs(2))
+    x = torch.rand(2, 2, H, W)
+    other = torch.cat([x[:, :1], torch.rand(2, 1, H, W)], dim=1)
+    with torch.no_grad():
+        a, plain = fpn(x), FPN.forward(fpn, x)
+        assert list(a) == list(plain) and all(torch.equal(a[k], plain[k]) for k in a)
+    det.train()
+    with EventStorage():
+        losses = det(make_inputs(2, boxes=True))
+    sum(losses.values()).backward()
+    assert fpn.aux_global_proj.weight.grad.abs().sum() > 0
+    det.eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(fpn.aux_global_proj.weight, std=0.1)
+        a, b = fpn(x), fpn(other)
+        assert all(torch.equal(FPN.forward(fpn, x)[k], FPN.forward(fpn, other)[k]) for k in a)
+        assert all(not torch.allclose(a[k], b[k]) for k in a)
+        # the shift is the same at every position of a level: a global summary
+        d = a["p3"] - FPN.forward(fpn, x)["p3"]
+        assert torch.allclose(d, d[:, :, :1, :1].expand_as(d), atol=1e-6)
+
+
+@pytest.mark.parametrize("meta,multi_view", [
+    ("MVCCLClassifier", True),  # the classifier's head reads the aux view already
+    ("MultiViewRCNN", False),  # a single-view detector has no aux view
+])
+def test_det_reads_aux_global_refused_where_it_would_do_nothing(meta, multi_view):
+    from braixdet.config import ConfigValueError, check_config
+
+    cfg = tiny_cfg(meta, multi_view=multi_view)
+    cfg.MODEL.BRAIXDET.DET_READS_AUX_GLOBAL = True
+    with pytest.raises(ConfigValueError, match="DET_READS_AUX_GLOBAL"):
+        check_config(cfg)
+
+
 def test_grad_checkpointing_gives_the_same_losses_and_gradients():
     """MODEL.BRAIXDET.GRAD_CHECKPOINTING recomputes the encoder in backward (timm): same
     numbers as without it."""
@@ -367,8 +412,11 @@ def test_rcnn_inference_original_coords():
         assert torch.equal(m.scores, c.scores)
 
 
-def test_rcnn_inference_exam_matches_per_image():
-    model, _ = build(seed=3)
+@pytest.mark.parametrize("aux_global", [False, True])
+def test_rcnn_inference_exam_matches_per_image(aux_global):
+    model, _ = build(seed=3, **{"MODEL.BRAIXDET.DET_READS_AUX_GLOBAL": aux_global})
+    if aux_global:  # a trained map (it starts at zero)
+        torch.nn.init.normal_(model.backbone.aux_global_proj.weight, std=0.1)
     g = torch.Generator().manual_seed(5)
     images = [blob_image(g) for _ in range(4)]  # L-CC, L-MLO, R-CC, R-MLO
     pairs = [(0, 1), (1, 0), (2, 3), (3, 2)]

@@ -156,6 +156,16 @@ def _check_cls_head_reads_aux(cfg):
             "GCM.ENABLED False (its global feature reads the aux view)"))
 
 
+def _check_det_reads_aux_global(cfg):
+    b = cfg.MODEL.BRAIXDET
+    if b.DET_READS_AUX_GLOBAL and not (
+            b.MULTI_VIEW and cfg.MODEL.META_ARCHITECTURE == "MultiViewRCNN"
+            and cfg.MODEL.BACKBONE.NAME == "build_braixdet_fpn_backbone"):
+        raise ConfigValueError("MODEL.BRAIXDET.DET_READS_AUX_GLOBAL", True, (
+            "False unless the model is a multi-view detector (MultiViewRCNN, MULTI_VIEW, "
+            "MODEL.BACKBONE.NAME build_braixdet_fpn_backbone)"))
+
+
 def check_config(cfg):
     """Raise ConfigValueError (one line: key, value, what is allowed) for the first value
     BRAIxDet does not accept; returns ``cfg``."""
@@ -168,6 +178,7 @@ def check_config(cfg):
             raise ConfigValueError(key, value, allowed)
     _check_lcm_extra_features(cfg)
     _check_cls_head_reads_aux(cfg)
+    _check_det_reads_aux_global(cfg)
     if cfg.SSL.STRONG_AUG_LABELLED and not cfg.SSL.STRONG_AUG:
         raise ConfigValueError("SSL.STRONG_AUG_LABELLED", True, "False unless SSL.STRONG_AUG "
                                "is True (the labelled copy uses the strong augmentation)")

@@ -61,6 +61,11 @@ def _add_model_config(cfg):
     # Finer encoder stages (e.g. ["res4"]) that get a main <- aux attention of their own in the
     # multi-view detector, whose ROI pooler and RPN find small lesions there (RESULTS §25)
     b.LCM.EXTRA_FEATURES = []
+    # Multi-view detector: add a linear map (zero at the start) of [max, mean] of the aux
+    # view's res5 features to every FPN level, the global path the BRAIxMVCCL head reads its
+    # second view through and the paper's detector drops (modeling/backbone.py AuxGlobalFPN;
+    # RESULTS §26). Not in the paper: off by default
+    b.DET_READS_AUX_GLOBAL = False
     # Global consistency module (classifier only)
     b.GCM = CN()
     b.GCM.ENABLED = True

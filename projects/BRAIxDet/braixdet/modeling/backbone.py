@@ -7,6 +7,7 @@ import torch
 from detectron2.layers import ShapeSpec
 from detectron2.modeling import BACKBONE_REGISTRY, Backbone
 from detectron2.modeling.backbone.fpn import FPN, LastLevelMaxPool
+from torch import nn
 
 from .lcm import LocalCoOccurrenceModule
 from .pretrained import check_pixel_normalization, create_pretrained
@@ -17,10 +18,13 @@ __all__ = [
     "build_multiview_bottom_up",
     "build_timm_backbone",
     "build_braixdet_fpn_backbone",
+    "AuxGlobalFPN",
 ]
 
 logger = logging.getLogger(__name__)
 FUSE_FEATURE = "res5"  # the LCM works on the stride-32 features
+# the bottom-up's extra output with DET_READS_AUX_GLOBAL: [max, mean] of the aux view's res5
+AUX_GLOBAL = "aux_global"
 
 
 class TimmBackbone(Backbone):
@@ -66,15 +70,17 @@ class MultiViewBottomUp(Backbone):
     forward(x): x (B, 2, H, W) = [main, aux] channels, or (B, 1, H, W) single view (a multi-view
     model then uses the main as its own aux, like a missing aux view), or a dict of
     precomputed (fused) features returned as is, so detectron2's FPN.forward can be reused on
-    features computed once per exam (see MultiViewRCNN.inference_exam).
+    features computed once per exam (see MultiViewRCNN.inference_exam). With ``aux_global``
+    the output also holds AUX_GLOBAL, the aux view's global summary (AuxGlobalFPN).
     """
 
     def __init__(self, encoder: TimmBackbone, lcm: LocalCoOccurrenceModule = None,
-                 multi_view: bool = True):
+                 multi_view: bool = True, aux_global: bool = False):
         super().__init__()
         self.encoder = encoder
         self.lcm = lcm
         self.multi_view = multi_view
+        self.aux_global = aux_global
         if lcm is not None and FUSE_FEATURE not in encoder._out_features:
             raise ValueError(f"the LCM needs encoder feature {FUSE_FEATURE}")
 
@@ -91,8 +97,12 @@ class MultiViewBottomUp(Backbone):
 
     def fuse(self, main_feats: dict, aux_feats: dict) -> dict:
         """Main features with res5 replaced by ũ_m = LCM.to_main(u_m, u_a), and each of the
-        LCM's finer stages by its own attention (LCM.EXTRA_FEATURES); others unchanged."""
+        LCM's finer stages by its own attention (LCM.EXTRA_FEATURES); others unchanged; plus
+        AUX_GLOBAL with ``aux_global``."""
         out = dict(main_feats)
+        if self.aux_global:
+            u_a = aux_feats[FUSE_FEATURE]
+            out[AUX_GLOBAL] = torch.cat([torch.amax(u_a, dim=(2, 3)), u_a.mean(dim=(2, 3))], 1)
         if self.lcm is not None:
             out[FUSE_FEATURE] = self.lcm.to_main(main_feats[FUSE_FEATURE], aux_feats[FUSE_FEATURE])
             for name, attention in self.lcm.finer.items():
@@ -104,7 +114,7 @@ class MultiViewBottomUp(Backbone):
             return x
         if x.dim() != 4 or x.shape[1] not in (1, 2):
             raise ValueError(f"expected (B, 1|2, H, W) input, got {tuple(x.shape)}")
-        if self.lcm is None or not self.multi_view:
+        if not self.multi_view or (self.lcm is None and not self.aux_global):
             return self.encode(x[:, :1])  # single view (or no fusion): aux not needed
         if x.shape[1] == 1:
             x = x.expand(-1, 2, -1, -1)  # no aux given: the main is its own aux (docs/DESIGN.md §2)
@@ -137,10 +147,11 @@ def _encoder_from_cfg(cfg, extra_features=()) -> TimmBackbone:
     )
 
 
-def build_multiview_bottom_up(cfg, bidirectional: bool = False,
-                              extra_features=()) -> MultiViewBottomUp:
+def build_multiview_bottom_up(cfg, bidirectional: bool = False, extra_features=(),
+                              aux_global: bool = False) -> MultiViewBottomUp:
     """Encoder + LCM (bidirectional in the classifier, main branch only in the detector).
-    ``extra_features``: encoder stages to output besides OUT_FEATURES (same weights)."""
+    ``extra_features``: encoder stages to output besides OUT_FEATURES (same weights);
+    ``aux_global``: also output AUX_GLOBAL (the detector's DET_READS_AUX_GLOBAL)."""
     b = cfg.MODEL.BRAIXDET
     encoder = _encoder_from_cfg(cfg, extra_features)
     lcm = None
@@ -150,7 +161,7 @@ def build_multiview_bottom_up(cfg, bidirectional: bool = False,
         finer = {name: shapes[name].channels for name in b.LCM.EXTRA_FEATURES}
         lcm = LocalCoOccurrenceModule.from_cfg(cfg, shapes[FUSE_FEATURE].channels,
                                                bidirectional=bidirectional, finer_channels=finer)
-    return MultiViewBottomUp(encoder, lcm, multi_view=b.MULTI_VIEW)
+    return MultiViewBottomUp(encoder, lcm, multi_view=b.MULTI_VIEW, aux_global=aux_global)
 
 
 @BACKBONE_REGISTRY.register()
@@ -159,14 +170,36 @@ def build_timm_backbone(cfg, input_shape: ShapeSpec = None) -> TimmBackbone:
     return _encoder_from_cfg(cfg)
 
 
+class AuxGlobalFPN(FPN):
+    """detectron2's FPN whose every output level gets, added at every position, a linear map
+    of the aux view's global summary (the bottom-up's AUX_GLOBAL): the path through which the
+    BRAIxMVCCL head reads its second view (an average of the aux features), which the
+    detector's LCM alone does not give it (docs/RESULTS.md §25-§26). The map starts at zero,
+    so the detector starts as the one without it."""
+
+    def __init__(self, *, aux_channels: int, **kwargs):
+        super().__init__(**kwargs)
+        self.aux_global_proj = nn.Linear(2 * aux_channels, kwargs["out_channels"])
+        nn.init.zeros_(self.aux_global_proj.weight)
+        nn.init.zeros_(self.aux_global_proj.bias)
+
+    def forward(self, x):
+        feats = self.bottom_up(x)  # a dict passes through the bottom-up as is
+        out = super().forward(feats)
+        shift = self.aux_global_proj(feats[AUX_GLOBAL])[:, :, None, None]
+        return {name: level + shift for name, level in out.items()}
+
+
 @BACKBONE_REGISTRY.register()
 def build_braixdet_fpn_backbone(cfg, input_shape: ShapeSpec = None) -> FPN:
-    """detectron2 FPN over the two-view bottom-up (+ max-pool level on the coarsest output)."""
-    return FPN(
-        bottom_up=build_multiview_bottom_up(cfg, bidirectional=False),
-        in_features=cfg.MODEL.FPN.IN_FEATURES,
-        out_channels=cfg.MODEL.FPN.OUT_CHANNELS,
-        norm=cfg.MODEL.FPN.NORM,
-        top_block=LastLevelMaxPool(),
-        fuse_type=cfg.MODEL.FPN.FUSE_TYPE,
-    )
+    """detectron2 FPN over the two-view bottom-up (+ max-pool level on the coarsest output);
+    AuxGlobalFPN with MODEL.BRAIXDET.DET_READS_AUX_GLOBAL (config/checks.py: multi-view)."""
+    aux_global = bool(cfg.MODEL.BRAIXDET.DET_READS_AUX_GLOBAL)
+    bottom_up = build_multiview_bottom_up(cfg, bidirectional=False, aux_global=aux_global)
+    kwargs = dict(bottom_up=bottom_up, in_features=cfg.MODEL.FPN.IN_FEATURES,
+                  out_channels=cfg.MODEL.FPN.OUT_CHANNELS, norm=cfg.MODEL.FPN.NORM,
+                  top_block=LastLevelMaxPool(), fuse_type=cfg.MODEL.FPN.FUSE_TYPE)
+    if aux_global:
+        return AuxGlobalFPN(aux_channels=bottom_up.output_shape()[FUSE_FEATURE].channels,
+                            **kwargs)
+    return FPN(**kwargs)
