@@ -31,7 +31,12 @@ from detectron2.evaluation import inference_on_dataset
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.data.build import build_multiview_test_loader, get_dicts
 from braixdet.engine import trainer_class
-from braixdet.modeling.lcm import CrossViewAttention, cross_view_init_std
+from braixdet.modeling.lcm import (
+    CrossViewAttention,
+    cross_view_init_std,
+    fuse_weight_parts,
+    fuse_weight_slices,
+)
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
 from braixdet.utils.checkpoint import load_inference_weights
@@ -69,11 +74,10 @@ def lcm_cross_view_scale(state_dict, gain=0.1):
     ``state_dict``: the fuse starts as identity on the view's features plus a small
     cross-view part of std gain/sqrt(D') (modeling/lcm.py; ``gain``: the run's
     LCM.CROSS_VIEW_INIT_GAIN)."""
-    w = next(v for k, v in state_dict.items()
-             if k.endswith("lcm.to_main.fuse.weight"))[:, :, 0, 0]
-    c = w.shape[0]
-    return (float(w[:, c:].std()), cross_view_init_std(gain, w.shape[1] - c),
-            float(w[:, :c].diagonal().mean()))
+    w = next(v for k, v in state_dict.items() if k.endswith("lcm.to_main.fuse.weight"))
+    own, cross = fuse_weight_parts(w[:, :, 0, 0])
+    return (float(cross.std()), cross_view_init_std(gain, cross.shape[1]),
+            float(own.diagonal().mean()))
 
 
 @contextlib.contextmanager
@@ -84,7 +88,7 @@ def lcm_cross_view_off(model):
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, CrossViewAttention):
-                w = m.fuse.weight[:, m.in_channels:]
+                w = fuse_weight_parts(m.fuse.weight)[1]
                 saved.append((w, w.clone()))
                 w.zero_()
     try:
@@ -111,9 +115,9 @@ def lcm_probe(model, loader):
         entropy.append(float(h.mean()))
 
     def fuse(mod, args, out):
-        x, c = args[0], cva.in_channels
-        own = torch.nn.functional.conv2d(x[:, :c], mod.weight[:, :c])
-        cross = torch.nn.functional.conv2d(x[:, c:], mod.weight[:, c:])
+        x, (own_in, cross_in) = args[0], fuse_weight_slices(mod.weight)
+        own = torch.nn.functional.conv2d(x[:, own_in], mod.weight[:, own_in])
+        cross = torch.nn.functional.conv2d(x[:, cross_in], mod.weight[:, cross_in])
         ratio.append(float(cross.norm() / own.norm()))
 
     hooks = [cva.attn.register_forward_pre_hook(want_weights, with_kwargs=True),

@@ -24,7 +24,7 @@ from detectron2.utils.logger import setup_logger
 
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.engine import trainer_class
-from braixdet.modeling.lcm import CrossViewAttention
+from braixdet.modeling.lcm import CrossViewAttention, fuse_weight_slices
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 
@@ -33,9 +33,9 @@ def tracked_weights(model):
     out = {}
     for prefix, mod in model.named_modules():
         if isinstance(mod, CrossViewAttention):
-            c = mod.in_channels
-            out[f"{prefix}.fuse, cross-view part"] = (mod.fuse.weight, slice(c, None))
-            out[f"{prefix}.fuse, own part"] = (mod.fuse.weight, slice(0, c))
+            own, cross = fuse_weight_slices(mod.fuse.weight)
+            out[f"{prefix}.fuse, cross-view part"] = (mod.fuse.weight, cross)
+            out[f"{prefix}.fuse, own part"] = (mod.fuse.weight, own)
             for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
                 out[f"{prefix}.{name}"] = (getattr(mod, name).weight, None)
     params = dict(model.named_parameters())

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 __all__ = ["CrossViewAttention", "LocalCoOccurrenceModule", "cross_view_init_std",
-           "sine_position_encoding"]
+           "fuse_weight_parts", "fuse_weight_slices", "sine_position_encoding"]
 
 
 def sine_position_encoding(h: int, w: int, dim: int, device=None, dtype=None) -> torch.Tensor:
@@ -43,6 +43,19 @@ def cross_view_init_std(gain: float, out_dim: int) -> float:
     return gain / math.sqrt(out_dim)
 
 
+def fuse_weight_slices(weight: torch.Tensor):
+    """(own, cross-view) slices of the channel-in axis of a fuse conv's weight (C, C + D', ...):
+    it maps back to the input width C, so its first C inputs are the view's own features."""
+    c = weight.shape[0]
+    return slice(0, c), slice(c, None)
+
+
+def fuse_weight_parts(weight: torch.Tensor):
+    """(own, cross-view) parts of a fuse conv's weight, views of it (fuse_weight_slices)."""
+    own, cross = fuse_weight_slices(weight)
+    return weight[:, own], weight[:, cross]
+
+
 class CrossViewAttention(nn.Module):
     """One direction of the LCM: updates `u_q` (B, C, h, w) with information from `u_kv`."""
 
@@ -67,12 +80,10 @@ class CrossViewAttention(nn.Module):
         # is small but not zero, so its parameters get gradients from the first step (an exact
         # zero init would also make the second view invisible until the first update). Its
         # std is gain/sqrt(D'): LCM.CROSS_VIEW_INIT_GAIN (docs/RESULTS.md §25).
-        c = self.in_channels
-        w = self.fuse.weight.data
-        w.zero_()
-        w[:, :c, 0, 0] = torch.eye(c)
-        d_out = w.shape[1] - c
-        nn.init.normal_(w[:, c:], std=cross_view_init_std(self.cross_view_init_gain, d_out))
+        own, cross = fuse_weight_parts(self.fuse.weight.data)
+        own.zero_()
+        own[:, :, 0, 0] = torch.eye(self.in_channels)
+        nn.init.normal_(cross, std=cross_view_init_std(self.cross_view_init_gain, cross.shape[1]))
         nn.init.zeros_(self.fuse.bias)
 
     def forward(self, u_q: torch.Tensor, u_kv: torch.Tensor) -> torch.Tensor:
