@@ -702,3 +702,42 @@ def test_lcm_grad_recorder_drift_tells_a_steady_gradient_from_noise(capsys, load
     with pytest.raises(SystemExit) as exit_:
         script.main(["--help"])
     assert exit_.value.code == 0 and "--config" in capsys.readouterr().out
+
+
+def test_late_fusion_rescorings_on_an_exact_case(tmp_path, load_tool):
+    """experiment_late_fusion.py (RESULTS §26): breast A has a lesion in both views, found at
+    0.6 in each; breast B has none, and a false positive at 0.9 on its CC, nothing on its MLO.
+    As saved the FP ranks first (AP < 1); late fusion multiplies it by B-MLO's top score (none:
+    0) and the TPs by 0.6, so AP is 1; self-gating keeps the FP first; the oracle demotes it.
+    The saved COCO files round-trip through load_saved (xywh -> xyxy, ids by image name)."""
+    import json
+
+    import numpy as np
+
+    from braixdet.evaluation.metrics import average_precision
+
+    script = load_tool("experiment_late_fusion", folder="benchmarks")
+    lesion = [10.0, 10.0, 20.0, 20.0]  # xywh
+    images = ["A_L_CC", "A_L_MLO", "B_R_CC", "B_R_MLO"]
+    gt = {"images": [{"id": k + 1, "braixdet_image_id": n} for k, n in enumerate(images)],
+          "annotations": [{"image_id": 1, "bbox": lesion}, {"image_id": 2, "bbox": lesion}]}
+    saved = [{"image_id": 1, "bbox": lesion, "score": 0.6},
+             {"image_id": 2, "bbox": lesion, "score": 0.6},
+             {"image_id": 3, "bbox": [50.0, 50.0, 10.0, 10.0], "score": 0.9}]
+    (tmp_path / "gt_coco.json").write_text(json.dumps(gt))
+    (tmp_path / "detections_coco.json").write_text(json.dumps(saved))
+    gts, dets = script.load_saved(str(tmp_path))
+    assert gts["B_R_MLO"].shape == (0, 4) and gts["A_L_CC"].tolist() == [[10, 10, 30, 30]]
+    assert dets["B_R_CC"][0].tolist() == [[50, 50, 60, 60]] and "B_R_MLO" not in dets
+    aux_of = {"A_L_CC": "A_L_MLO", "A_L_MLO": "A_L_CC", "B_R_CC": "B_R_MLO",
+              "B_R_MLO": "B_R_CC"}
+    r = script.rescorings(gts, dets, aux_of)
+    assert r["late fusion"]["B_R_CC"][1].tolist() == [0.0]
+    assert np.allclose(r["late fusion"]["A_L_CC"][1], [0.36])
+    assert np.allclose(r["self"]["B_R_CC"][1], [0.81])
+    assert np.allclose(r["oracle"]["B_R_CC"][1], [0.009])
+    ap = {k: average_precision(gts, d, iou_thresh=0.2) for k, d in r.items()}
+    # as saved: precision 1/2 at recall 0.5, 2/3 at recall 1: the envelope is 2/3 throughout
+    assert ap["as saved"] == pytest.approx(2 / 3, abs=1e-9)
+    assert ap["self"] == pytest.approx(ap["as saved"])
+    assert ap["late fusion"] == pytest.approx(1.0) and ap["oracle"] == pytest.approx(1.0)

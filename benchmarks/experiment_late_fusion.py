@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Can a detector's own scores on the second view help it? Rescoring of saved test detections.
+
+  python benchmarks/experiment_late_fusion.py --runs out/mv_cost/full --rows faster_rcnn \
+      --out out/late_fusion
+
+docs/RESULTS.md §26. For each seed folder s<N> under --runs and each row, the detections the
+row's exported model left on the test split (inference/model/<test>/detections_coco.json, with
+gt_coco.json) are rescored, without training or inference, four ways: ``as saved``; ``late
+fusion`` (each box's score × the row's highest score on the image's paired view, 0 where it has
+none); ``self`` (× the image's own highest score: the same reshaping without the second view,
+the control); ``oracle`` (× 1 where the paired view holds a true lesion, else × 0.01: an
+image-level gate that knows what the other view shows). AP@0.2 by braixdet.evaluation.metrics
+(pycocotools' rule), each rescoring paired by seed against ``as saved`` and late fusion against
+``self``. The paired view is the dataset's own pairing (data/pairing.py ``aux_image_id``).
+Writes <out>/late_fusion.md and late_fusion.json. Not part of `make bench`.
+"""
+import argparse
+import json
+import os
+
+import numpy as np
+
+from braixdet.config import build_cfg, resolve_cfg
+from braixdet.data.build import get_dicts
+from braixdet.evaluation.metrics import average_precision
+from braixdet.pipeline.methods import METHODS
+from braixdet.pipeline.results import fmt_cell, paired_effect
+from braixdet.utils.io import atomic_write_json, atomic_write_text
+
+TEST = "cbis_ddsm_test"
+RESCORINGS = ("as saved", "late fusion", "self", "oracle")
+# (with, without) pairs reported, each paired by seed
+EFFECTS = (("late fusion", "as saved"), ("late fusion", "self"), ("self", "as saved"),
+           ("oracle", "as saved"))
+ORACLE_FLOOR = 0.01  # the oracle's factor on an image whose paired view holds no lesion
+
+
+def _xyxy(bbox):
+    x, y, w, h = bbox
+    return [x, y, x + w, y + h]
+
+
+def load_saved(folder):
+    """(gts, dets) of an evaluator's saved COCO files, keyed by the dataset's image id:
+    gts {id: (n, 4) xyxy}, dets {id: ((n, 4) xyxy, (n,) scores)}."""
+    with open(os.path.join(folder, "gt_coco.json")) as f:
+        gt = json.load(f)
+    with open(os.path.join(folder, "detections_coco.json")) as f:
+        saved = json.load(f)
+    name = {im["id"]: im["braixdet_image_id"] for im in gt["images"]}
+    gts = {i: [] for i in name.values()}
+    for a in gt["annotations"]:
+        gts[name[a["image_id"]]].append(_xyxy(a["bbox"]))
+    boxes, scores = {}, {}
+    for d in saved:
+        i = name[d["image_id"]]
+        boxes.setdefault(i, []).append(_xyxy(d["bbox"]))
+        scores.setdefault(i, []).append(d["score"])
+    gts = {i: np.asarray(b, dtype=np.float64).reshape(-1, 4) for i, b in gts.items()}
+    dets = {i: (np.asarray(boxes[i], dtype=np.float64).reshape(-1, 4),
+                np.asarray(scores[i], dtype=np.float64)) for i in boxes}
+    return gts, dets
+
+
+def rescore(dets, factor):
+    """``dets`` with each image's scores multiplied by ``factor[image id]`` (0 if absent)."""
+    return {i: (b, s * factor.get(i, 0.0)) for i, (b, s) in dets.items()}
+
+
+def top_scores(dets):
+    """{image id: its highest score}."""
+    return {i: float(s.max()) for i, (_, s) in dets.items() if len(s)}
+
+
+def rescorings(gts, dets, aux_of):
+    """{rescoring: dets} for RESCORINGS; ``aux_of`` {image id: paired view's image id}."""
+    top = top_scores(dets)
+    return {
+        "as saved": dets,
+        "late fusion": rescore(dets, {i: top.get(aux_of.get(i), 0.0) for i in dets}),
+        "self": rescore(dets, top),
+        "oracle": rescore(dets, {i: 1.0 if len(gts.get(aux_of.get(i), ())) else ORACLE_FLOOR
+                                 for i in dets}),
+    }
+
+
+def paired_views(run_dir, test=TEST):
+    """{image id: its paired view's image id} of the test split, as the row's config pairs it."""
+    cfg = resolve_cfg(build_cfg(os.path.join(run_dir, "config.yaml"),
+                                ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", ""]))
+    del cfg  # building the config registers its datasets
+    return {d["image_id"]: d.get("aux_image_id") for d in get_dicts(test)}
+
+
+def evaluate(run_dir, test=TEST):
+    """{rescoring: AP@0.2 × 100} of the row in ``run_dir``, and the evaluator's own AP
+    ("evaluator", to check the recomputation)."""
+    folder = os.path.join(run_dir, "inference", "model", test)
+    gts, dets = load_saved(folder)
+    with open(os.path.join(folder, "metrics.json")) as f:
+        out = {"evaluator": json.load(f)["bbox"]["AP20"]}
+    for k, d in rescorings(gts, dets, paired_views(run_dir, test)).items():
+        out[k] = 100 * average_precision(gts, d, iou_thresh=0.2)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", required=True, help="a folder of seed folders s<N> (run_seeds)")
+    ap.add_argument("--rows", nargs="+", default=["faster_rcnn"], choices=sorted(METHODS))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
+    lines, record = [], {}
+    for row in a.rows:
+        aps = {s: evaluate(os.path.join(a.runs, f"s{s}", row)) for s in seeds
+               if os.path.exists(os.path.join(a.runs, f"s{s}", row, "inference", "model", TEST,
+                                              "detections_coco.json"))}
+        done = sorted(aps)
+        for s in done:
+            print(f"   s{s} {row}: " + ", ".join(f"{k} {aps[s][k]:.1f}" for k in RESCORINGS)
+                  + f" (evaluator {aps[s]['evaluator']:.1f})", flush=True)
+        lines += [f"**{METHODS[row].label}**, seeds {done}, test AP@0.2:", "",
+                  "| rescoring | " + " | ".join(f"seed {s}" for s in done) + " | mean |",
+                  "|---|" + "---|" * (len(done) + 1)]
+        for k in RESCORINGS:
+            vals = [aps[s][k] for s in done]
+            lines.append(f"| {k} | " + " | ".join(f"{x:.1f}" for x in vals)
+                         + f" | {np.mean(vals):.1f} |")
+        effects = {f"{x} − {y}": paired_effect([aps[s][x] for s in done],
+                                               [aps[s][y] for s in done]) for x, y in EFFECTS}
+        lines += ["", "| effect | mean [95% CI] | paired t p |", "|---|---|---|"]
+        for name, e in effects.items():
+            lines.append(f"| {name} | {fmt_cell(e['mean'], '+.1f')} "
+                         f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
+                         f"{fmt_cell(e['p_t'], '.4f')} |")
+        lines.append("")
+        record[row] = {"ap": {str(s): aps[s] for s in done}, "effects": effects}
+    os.makedirs(a.out, exist_ok=True)
+    text = "\n".join(lines)
+    atomic_write_text(os.path.join(a.out, "late_fusion.md"), text + "\n")
+    atomic_write_json(os.path.join(a.out, "late_fusion.json"), record)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
