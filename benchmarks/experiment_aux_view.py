@@ -38,7 +38,13 @@ from braixdet.modeling.lcm import (
     fuse_weight_slices,
 )
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
+from braixdet.pipeline.results import (
+    fmt_cell,
+    fmt_effect,
+    paired_effect,
+    row_metric,
+    seed_table,
+)
 from braixdet.utils.checkpoint import load_inference_weights
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -186,19 +192,13 @@ def main(argv=None):
         label, metric = ((f"BRAIxMVCCL ({CLASSIFIER})", "AUC × 100") if row == CLASSIFIER
                          else (METHODS[row].label, "AP@0.2"))
         lines += [f"**{label}**, seeds {done}, test {metric}:", "",
-                  "| aux image | " + " | ".join(f"seed {s}" for s in done) + " | mean |",
-                  "|---|" + "---|" * (len(done) + 1)]
-        for v in VARIANTS:
-            vals = [ap_[s][v] for s in done]
-            lines.append(f"| {v} | " + " | ".join(f"{x:.1f}" for x in vals)
-                         + f" | {np.mean(vals):.1f} |")
+                  *seed_table("aux image", {v: [ap_[s][v] for s in done] for v in VARIANTS},
+                              done)]
         effects = {v: paired_effect([ap_[s]["paired"] for s in done], [ap_[s][v] for s in done])
                    for v in VARIANTS[1:]}
         lines += ["", "| paired − swapped | mean [95% CI] | paired t p |", "|---|---|---|"]
         for v, e in effects.items():
-            lines.append(f"| paired − {v} | {fmt_cell(e['mean'], '+.1f')} "
-                         f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
-                         f"{fmt_cell(e['p_t'], '.4f')} |")
+            lines.append(f"| paired − {v} | {fmt_effect(e)} | {fmt_cell(e['p_t'], '.4f')} |")
         scale = {s: ap_[s]["lcm_scale"] for s in done}
         lines += ["", "LCM cross-view weights, std (at initialisation "
                   f"{scale[done[0]][1]:.4f}) per seed: "

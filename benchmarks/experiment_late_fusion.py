@@ -25,7 +25,7 @@ from braixdet.config import build_cfg, resolve_cfg
 from braixdet.data.build import get_dicts
 from braixdet.evaluation.metrics import average_precision
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import fmt_cell, paired_effect
+from braixdet.pipeline.results import fmt_cell, fmt_effect, paired_effect, seed_table
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
 TEST = "cbis_ddsm_test"
@@ -122,19 +122,13 @@ def main(argv=None):
             print(f"   s{s} {row}: " + ", ".join(f"{k} {aps[s][k]:.1f}" for k in RESCORINGS)
                   + f" (evaluator {aps[s]['evaluator']:.1f})", flush=True)
         lines += [f"**{METHODS[row].label}**, seeds {done}, test AP@0.2:", "",
-                  "| rescoring | " + " | ".join(f"seed {s}" for s in done) + " | mean |",
-                  "|---|" + "---|" * (len(done) + 1)]
-        for k in RESCORINGS:
-            vals = [aps[s][k] for s in done]
-            lines.append(f"| {k} | " + " | ".join(f"{x:.1f}" for x in vals)
-                         + f" | {np.mean(vals):.1f} |")
+                  *seed_table("rescoring", {k: [aps[s][k] for s in done] for k in RESCORINGS},
+                              done)]
         effects = {f"{x} − {y}": paired_effect([aps[s][x] for s in done],
                                                [aps[s][y] for s in done]) for x, y in EFFECTS}
         lines += ["", "| effect | mean [95% CI] | paired t p |", "|---|---|---|"]
         for name, e in effects.items():
-            lines.append(f"| {name} | {fmt_cell(e['mean'], '+.1f')} "
-                         f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
-                         f"{fmt_cell(e['p_t'], '.4f')} |")
+            lines.append(f"| {name} | {fmt_effect(e)} | {fmt_cell(e['p_t'], '.4f')} |")
         lines.append("")
         record[row] = {"ap": {str(s): aps[s] for s in done}, "effects": effects}
     os.makedirs(a.out, exist_ok=True)

@@ -19,7 +19,7 @@ import numpy as np
 from experiment_ratio_grid import add_dev_set_arguments, make_dev_set, run_args
 
 from braixdet.pipeline.methods import METHODS
-from braixdet.pipeline.results import fmt_cell, paired_effect, row_metric
+from braixdet.pipeline.results import fmt_cell, fmt_effect, paired_effect, row_metric
 from braixdet.pipeline.seeds import run_seeds
 from braixdet.utils.io import atomic_write_json, atomic_write_text
 
@@ -103,8 +103,7 @@ def effects_table(effects):
     for name, e in effects.items():
         a, b = (" and ".join(METHODS[k].label if k in METHODS else k for k in keys)
                 for keys in e["rows"])
-        lines.append(f"| {name} | {a} − {b} | {e['n']} | {fmt_cell(e['mean'], '+.1f')} "
-                     f"[{fmt_cell(e['ci_low'], '+.1f')}, {fmt_cell(e['ci_high'], '+.1f')}] | "
+        lines.append(f"| {name} | {a} − {b} | {e['n']} | {fmt_effect(e)} | "
                      f"{fmt_cell(e['p_t'], '.4f')} | {fmt_cell(e['p_wilcoxon'], '.4f')} |")
     return lines
 

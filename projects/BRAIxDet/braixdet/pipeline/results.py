@@ -197,8 +197,7 @@ def paired_tables(per_seed, metric="AP20"):
     """Markdown of (1) each Table 6 component's effect beside the paper's, (2) BRAIxDet against
     every other row (one-tailed: BRAIxDet greater), both paired by seed; and their dict."""
     def cells(e):
-        return (f"{e['n']} | {fmt_cell(e['mean'], '+.1f')} [{fmt_cell(e['ci_low'], '+.1f')}, "
-                f"{fmt_cell(e['ci_high'], '+.1f')}] | {fmt_cell(e['p_t'], '.4f')} | "
+        return (f"{e['n']} | {fmt_effect(e)} | {fmt_cell(e['p_t'], '.4f')} | "
                 f"{fmt_cell(e['p_wilcoxon'], '.4f')}")
 
     lines = [f"| component | with − without | seeds | effect on {metric} (%) [95% CI] | paired t "
@@ -229,6 +228,23 @@ def paired_tables(per_seed, metric="AP20"):
 def fmt_cell(x, spec=".2f"):
     """``x`` formatted with ``spec``; "—" for a missing or NaN value."""
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def fmt_effect(e, spec="+.1f"):
+    """A paired_effect as "mean [95% CI low, high]"."""
+    return (f"{fmt_cell(e['mean'], spec)} "
+            f"[{fmt_cell(e['ci_low'], spec)}, {fmt_cell(e['ci_high'], spec)}]")
+
+
+def seed_table(header, values, seeds):
+    """Markdown lines: one line per entry of ``values`` {name: [value per seed]}, its values
+    (one decimal) under ``seeds`` and their mean; ``header`` names the first column."""
+    lines = [f"| {header} | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for name, vals in values.items():
+        lines.append(f"| {name} | " + " | ".join(f"{x:.1f}" for x in vals)
+                     + f" | {np.mean(vals):.1f} |")
+    return lines
 
 
 def to_markdown(rows, metrics=METRICS, baseline=None):
