@@ -16,6 +16,7 @@ __all__ = [
     "TimmBackbone",
     "MultiViewBottomUp",
     "build_multiview_bottom_up",
+    "max_mean_pool",
     "build_timm_backbone",
     "build_braixdet_fpn_backbone",
     "AuxGlobalFPN",
@@ -25,6 +26,12 @@ logger = logging.getLogger(__name__)
 FUSE_FEATURE = "res5"  # the LCM works on the stride-32 features
 # the bottom-up's extra output with DET_READS_AUX_GLOBAL: [max, mean] of the aux view's res5
 AUX_GLOBAL = "aux_global"
+
+
+def max_mean_pool(u: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, 2C): [global max, global mean] over positions, the summary the
+    classifier head reads of a view (and the detector's AUX_GLOBAL)."""
+    return torch.cat([torch.amax(u, dim=(2, 3)), u.mean(dim=(2, 3))], dim=1)
 
 
 class TimmBackbone(Backbone):
@@ -101,8 +108,7 @@ class MultiViewBottomUp(Backbone):
         AUX_GLOBAL with ``aux_global``."""
         out = dict(main_feats)
         if self.aux_global:
-            u_a = aux_feats[FUSE_FEATURE]
-            out[AUX_GLOBAL] = torch.cat([torch.amax(u_a, dim=(2, 3)), u_a.mean(dim=(2, 3))], 1)
+            out[AUX_GLOBAL] = max_mean_pool(aux_feats[FUSE_FEATURE])
         if self.lcm is not None:
             out[FUSE_FEATURE] = self.lcm.to_main(main_feats[FUSE_FEATURE], aux_feats[FUSE_FEATURE])
             for name, attention in self.lcm.finer.items():

@@ -8,7 +8,12 @@ from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import ImageList
 from torch import nn
 
-from .backbone import FUSE_FEATURE, MultiViewBottomUp, build_multiview_bottom_up
+from .backbone import (
+    FUSE_FEATURE,
+    MultiViewBottomUp,
+    build_multiview_bottom_up,
+    max_mean_pool,
+)
 from .gcm import GlobalConsistencyModule
 
 __all__ = ["MVCCLClassifier"]
@@ -113,7 +118,7 @@ class MVCCLClassifier(nn.Module):
         else:
             feats = bu.encode(x[:, :1])
             t_m = feats[FUSE_FEATURE]
-            z = torch.cat([torch.amax(t_m, dim=(2, 3)), t_m.mean(dim=(2, 3))], dim=1)
+            z = max_mean_pool(t_m)
         if cam_layer:
             if cam_layer not in feats:
                 raise ValueError(f"CAM target layer {cam_layer!r} is not an encoder output "
