@@ -23,6 +23,7 @@ import numpy as np
 
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.data.build import get_dicts
+from braixdet.evaluation.exam_scores import paired_view_rescore
 from braixdet.evaluation.metrics import average_precision
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import fmt_cell, fmt_effect, paired_effect, seed_table
@@ -63,25 +64,21 @@ def load_saved(folder):
     return gts, dets
 
 
-def rescore(dets, factor):
-    """``dets`` with each image's scores multiplied by ``factor[image id]`` (0 if absent)."""
-    return {i: (b, s * factor.get(i, 0.0)) for i, (b, s) in dets.items()}
-
-
-def top_scores(dets):
-    """{image id: its highest score}."""
-    return {i: float(s.max()) for i, (_, s) in dets.items() if len(s)}
-
-
 def rescorings(gts, dets, aux_of):
-    """{rescoring: dets} for RESCORINGS; ``aux_of`` {image id: paired view's image id}."""
-    top = top_scores(dets)
+    """{rescoring: dets} for RESCORINGS; ``aux_of`` {image id: paired view's image id}. Late
+    fusion and self are the option TEST.BRAIXDET.PAIRED_VIEW_RESCORE (exam_scores), the
+    latter with every image its own partner."""
+    scores = {i: dets[i][1] if i in dets else np.zeros(0) for i in gts.keys() | dets.keys()}
+
+    def with_scores(new):
+        return {i: (b, new[i]) for i, (b, _) in dets.items()}
+
     return {
         "as saved": dets,
-        "late fusion": rescore(dets, {i: top.get(aux_of.get(i), 0.0) for i in dets}),
-        "self": rescore(dets, top),
-        "oracle": rescore(dets, {i: 1.0 if len(gts.get(aux_of.get(i), ())) else ORACLE_FLOOR
-                                 for i in dets}),
+        "late fusion": with_scores(paired_view_rescore(scores, aux_of)),
+        "self": with_scores(paired_view_rescore(scores, {})),
+        "oracle": {i: (b, s * (1.0 if len(gts.get(aux_of.get(i), ())) else ORACLE_FLOOR))
+                   for i, (b, s) in dets.items()},
     }
 
 

@@ -131,6 +131,26 @@ def test_predictor_equals_evaluation_path(setup):
     assert compared > 0
 
 
+def test_predictor_paired_view_rescore(setup):
+    """TEST.BRAIXDET.PAIRED_VIEW_RESCORE: each image's boxes as without it, each score × the
+    top score of the image's partner view (aux_sop_uid), as the evaluator rescores."""
+    cfg = setup["cfg"].clone()
+    with ExamPredictor(cfg.clone(), setup["weights"], num_workers=0) as predictor:
+        plain = {p.meta.sop_uid: p for p in predictor([str(setup["exams"])])}
+    cfg.defrost()
+    cfg.TEST.BRAIXDET.PAIRED_VIEW_RESCORE = True
+    with ExamPredictor(cfg, setup["weights"], num_workers=0) as predictor:
+        rescored = {p.meta.sop_uid: p for p in predictor([str(setup["exams"])])}
+    assert rescored.keys() == plain.keys() and len(plain) >= 4
+    for uid, p in rescored.items():
+        ref = plain[uid]
+        assert not p.aux_missing and p.aux_sop_uid != uid
+        assert np.array_equal(p.boxes, ref.boxes) and len(p.scores) > 0
+        expected = ref.scores.astype(np.float64) * plain[p.aux_sop_uid].scores.max()
+        assert np.allclose(p.scores, expected, rtol=1e-6, atol=1e-7)
+        assert not np.allclose(p.scores, ref.scores)
+
+
 def _meta(path, study, lat, view, sop):
     return DicomMeta(path=path, laterality=lat, view=view, study_uid=study, series_uid="s",
                      sop_uid=sop, patient_id="", modality="MG", rows=10, cols=8,

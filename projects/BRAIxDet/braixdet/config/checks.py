@@ -166,6 +166,13 @@ def _check_det_reads_aux_global(cfg):
             "MODEL.BACKBONE.NAME build_braixdet_fpn_backbone)"))
 
 
+def _check_paired_view_rescore(cfg):
+    if cfg.TEST.BRAIXDET.PAIRED_VIEW_RESCORE and cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
+        # the classifier's evaluator scores images, not boxes
+        raise ConfigValueError("TEST.BRAIXDET.PAIRED_VIEW_RESCORE", True,
+                               "False unless the model is a detector")
+
+
 def check_config(cfg):
     """Raise ConfigValueError (one line: key, value, what is allowed) for the first value
     BRAIxDet does not accept; returns ``cfg``."""
@@ -179,6 +186,7 @@ def check_config(cfg):
     _check_lcm_extra_features(cfg)
     _check_cls_head_reads_aux(cfg)
     _check_det_reads_aux_global(cfg)
+    _check_paired_view_rescore(cfg)
     if cfg.SSL.STRONG_AUG_LABELLED and not cfg.SSL.STRONG_AUG:
         raise ConfigValueError("SSL.STRONG_AUG_LABELLED", True, "False unless SSL.STRONG_AUG "
                                "is True (the labelled copy uses the strong augmentation)")

@@ -226,6 +226,9 @@ def _add_test_config(cfg):
     t.CENTER_HIT = False  # FROC option: detection centre inside the GT box counts as a hit
     t.SAVE_PLOTS = True
     t.EVAL_STUDENT = True  # also evaluate the student (metrics prefixed with student/)
+    # each box's score × the top score of its paired view (exam_scores.paired_view_rescore), in
+    # evaluation and inference alike; off as the paper scores (docs/RESULTS.md §26-27)
+    t.PAIRED_VIEW_RESCORE = False
 
 
 # detectron2 keys our data path and trainers do not implement, each with its neutral value (the

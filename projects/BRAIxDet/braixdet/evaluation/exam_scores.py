@@ -11,19 +11,37 @@ score threshold,
 A max keeps the score of the one suspicious finding that a reader must see (a mean would dilute
 it with the normal views). The same functions score predictions.json and the test-split AUC
 (``MammoDetectionEvaluator``), so the evaluated number is the delivered one.
+
+``paired_view_rescore`` (``TEST.BRAIXDET.PAIRED_VIEW_RESCORE``, off by default) multiplies each
+box's score by the image score of its paired view (the other view of the same breast; without
+one, the image itself, the pairing rule of training): a lesion is seen in both views, a
+look-alike or a texture blob mostly in one. It runs before the scores above, so they and AP see
+the same rescored boxes (docs/RESULTS.md §26–27).
 """
 import math
 from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["image_score", "breast_exam_scores", "breast_exam_auc"]
+__all__ = ["image_score", "breast_exam_scores", "breast_exam_auc", "paired_view_rescore"]
 
 
 def image_score(scores) -> float:
     """Highest detection score of one image; 0.0 without detections."""
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     return float(s.max()) if s.size else 0.0
+
+
+def paired_view_rescore(scores, partner):
+    """``scores``: {image: detection scores}; ``partner``: {image: its paired view's image}
+    (itself without a partner; so is a partner missing from ``scores``, an image not
+    predicted). Returns {image: scores × image_score(the partner's scores)}."""
+    top = {i: image_score(s) for i, s in scores.items()}
+    out = {}
+    for i, s in scores.items():
+        j = partner.get(i, i)
+        out[i] = np.asarray(s, dtype=np.float64) * top[j if j in top else i]
+    return out
 
 
 def breast_exam_scores(items):

@@ -14,7 +14,7 @@ from detectron2.utils.file_io import PathManager
 from detectron2.utils.logger import create_small_table
 
 from .classification_evaluator import ClassificationEvaluator
-from .exam_scores import breast_exam_auc, image_score
+from .exam_scores import breast_exam_auc, image_score, paired_view_rescore
 from .metrics import average_precision, froc
 
 logger = logging.getLogger(__name__)
@@ -67,11 +67,14 @@ class MammoDetectionEvaluator(DatasetEvaluator):
     froc.csv, froc.png, detections_coco.json and gt_coco.json (COCO formats, category_id 1,
     image ids 1..N in sorted image_id order; "file_name" holds the dataset's image_id, never a
     path, so no patient folder name leaks).
+    ``paired_view_rescore``: every score is first multiplied by the top score of the image's
+    paired view (dicts' ``aux_image_id``; ``exam_scores.paired_view_rescore``), and every
+    metric and file holds the rescored scores.
     """
 
     def __init__(self, dataset_name, output_dir=None, iou_thresh=0.2,
                  fppi=(0.25, 0.5, 1, 2, 4), center_hit=False, distributed=True, max_dets=100,
-                 save_plots=True):
+                 save_plots=True, paired_view_rescore=False):
         self._dataset_name = dataset_name
         self._output_dir = output_dir
         self._iou_thresh = float(iou_thresh)
@@ -80,6 +83,7 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         self._distributed = distributed
         self._max_dets = max_dets
         self._save_plots = save_plots
+        self._paired_view_rescore = bool(paired_view_rescore)
         self._records = None
         self.reset()
 
@@ -88,7 +92,8 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         t = cfg.TEST.BRAIXDET
         return cls(dataset_name, output_dir=output_dir, iou_thresh=t.IOU_THRESH,
                    fppi=tuple(t.FROC_FPPI), center_hit=t.CENTER_HIT, distributed=distributed,
-                   save_plots=t.get("SAVE_PLOTS", True))
+                   save_plots=t.get("SAVE_PLOTS", True),
+                   paired_view_rescore=t.get("PAIRED_VIEW_RESCORE", False))
 
     def reset(self):
         self._predictions = []
@@ -141,8 +146,11 @@ class MammoDetectionEvaluator(DatasetEvaluator):
 
         ids = sorted(preds)
         gts = {i: _fix_inverted(_gt_boxes(records[i]), "GT", i) for i in ids}
-        dets = {i: (_fix_inverted(preds[i]["boxes"], "predicted", i), preds[i]["scores"])
-                for i in ids}
+        scores = {i: preds[i]["scores"] for i in ids}
+        if self._paired_view_rescore:
+            scores = paired_view_rescore(
+                scores, {i: str(records[i].get("aux_image_id", i)) for i in ids})
+        dets = {i: (_fix_inverted(preds[i]["boxes"], "predicted", i), scores[i]) for i in ids}
         results, curve = self.compute(gts, dets)
         screening = self.screening(records, dets)
         self._log(results, gts, dets)
@@ -201,6 +209,7 @@ class MammoDetectionEvaluator(DatasetEvaluator):
             "iou_thresh": self._iou_thresh,
             "center_hit": self._center_hit,
             "max_dets": self._max_dets,
+            "paired_view_rescore": self._paired_view_rescore,
             "fppi": list(self._fppi),
             "num_images": curve["num_images"],
             "num_lesions": curve["num_lesions"],

@@ -18,7 +18,8 @@ the auxiliary input. ``ExamPredictor``:
   (``ImagePrediction.image``, uint8); a cache hit skips the decode unless the original is
   kept;
 * encodes each image once per exam (``MultiViewRCNN.inference_exam``) and returns, per image, the
-  boxes in ORIGINAL DICOM pixel coordinates with their scores;
+  boxes in ORIGINAL DICOM pixel coordinates with their scores (with
+  ``TEST.BRAIXDET.PAIRED_VIEW_RESCORE``, × the partner view's top score, as evaluated);
 * decodes and canonicalises the next exams in ``num_workers`` DataLoader worker processes while
   the model runs on the current one (``predict_exams``; 0 = in this process, same results).
 
@@ -54,6 +55,7 @@ from ..data.mapper import MultiViewDatasetMapper
 from ..data.pairing import pair_views
 from ..data.report import BadInputError, BadInputReport
 from ..data.views import normalize_laterality, normalize_view
+from ..evaluation.exam_scores import paired_view_rescore
 from ..utils.checkpoint import load_inference_weights
 from .visualize import display_image
 
@@ -500,10 +502,16 @@ class ExamPredictor:
             outs = [self.model([{"image": images[mi], "aux_image": images[ai],
                                  "transforms": transforms[mi], "height": sizes[mi][0],
                                  "width": sizes[mi][1]}])[0] for mi, ai in index_pairs]
+        outs = [o["instances"].to("cpu") for o in outs]
+        if self.cfg.TEST.BRAIXDET.PAIRED_VIEW_RESCORE:  # as the evaluator scores (its doc)
+            rescored = paired_view_rescore({k: o.scores.numpy() for k, o in enumerate(outs)},
+                                           dict(index_pairs))
+            for k, o in enumerate(outs):
+                o.scores = torch.as_tensor(rescored[k], dtype=o.scores.dtype)
         record = {m.path: exam.record_id(i) for i, m in enumerate(exam.images)}
         original = {path: px.original for path, px in loaded.items()}
         return [ImagePrediction(meta=p.main, aux_sop_uid=(p.aux or p.main).sop_uid,
-                                aux_missing=p.aux is None, instances=o["instances"].to("cpu"),
+                                aux_missing=p.aux is None, instances=o,
                                 record_id=record[p.main.path],
                                 image=None if original[p.main.path] is None else
                                 original[p.main.path].numpy())
