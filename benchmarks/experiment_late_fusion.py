@@ -13,7 +13,10 @@ the control); ``oracle`` (× 1 where the paired view holds a true lesion, else �
 image-level gate that knows what the other view shows). AP@0.2 by braixdet.evaluation.metrics
 (pycocotools' rule), each rescoring paired by seed against ``as saved`` and late fusion against
 ``self``. The paired view is the dataset's own pairing (data/pairing.py ``aux_image_id``).
-Writes <out>/late_fusion.md and late_fusion.json. Not part of `make bench`.
+With ``--bootstrap N`` each seed's effects also get a 95% interval from N resamples of the test
+split's exams (RESULTS §27: the test set's sampling noise for one trained model, where there
+are too few seeds to pair). Writes <out>/late_fusion.md and late_fusion.json. Not part of
+`make bench`.
 """
 import argparse
 import json
@@ -82,23 +85,51 @@ def rescorings(gts, dets, aux_of):
     }
 
 
-def paired_views(run_dir, test=TEST):
-    """{image id: its paired view's image id} of the test split, as the row's config pairs it."""
+def test_dicts(run_dir, test=TEST):
+    """The test split's dataset dicts, as the row's config registers and pairs them."""
     cfg = resolve_cfg(build_cfg(os.path.join(run_dir, "config.yaml"),
                                 ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", ""]))
     del cfg  # building the config registers its datasets
-    return {d["image_id"]: d.get("aux_image_id") for d in get_dicts(test)}
+    return get_dicts(test)
 
 
-def evaluate(run_dir, test=TEST):
-    """{rescoring: AP@0.2 × 100} of the row in ``run_dir``, and the evaluator's own AP
-    ("evaluator", to check the recomputation)."""
+def bootstrap_effects(gts, rescored, exam_of, resamples, seed=0):
+    """{"x − y": (2.5th, 97.5th percentile)} of AP@0.2 × 100 differences for EFFECTS over
+    ``resamples`` draws of the exams with replacement, every rescoring on the same draws (an
+    exam drawn twice counts twice)."""
+    exams = sorted(set(exam_of.values()))
+    images = {e: [] for e in exams}
+    for i in gts:
+        images[exam_of[i]].append(i)
+    rng = np.random.default_rng(seed)
+    diffs = {f"{x} − {y}": [] for x, y in EFFECTS}
+    for _ in range(resamples):
+        drawn = [(k, i) for k, e in enumerate(rng.choice(len(exams), len(exams)))
+                 for i in images[exams[e]]]
+        g = {key: gts[key[1]] for key in drawn}
+        ap = {name: 100 * average_precision(
+            g, {key: d[key[1]] for key in drawn if key[1] in d}, iou_thresh=0.2)
+              for name, d in rescored.items()}
+        for x, y in EFFECTS:
+            diffs[f"{x} − {y}"].append(ap[x] - ap[y])
+    return {k: tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) for k, v in diffs.items()}
+
+
+def evaluate(run_dir, test=TEST, resamples=0):
+    """{rescoring: AP@0.2 × 100} of the row in ``run_dir``, the evaluator's own AP
+    ("evaluator", to check the recomputation) and, with ``resamples``, the exam bootstrap's
+    intervals ("bootstrap")."""
     folder = os.path.join(run_dir, "inference", "model", test)
     gts, dets = load_saved(folder)
     with open(os.path.join(folder, "metrics.json")) as f:
         out = {"evaluator": json.load(f)["bbox"]["AP20"]}
-    for k, d in rescorings(gts, dets, paired_views(run_dir, test)).items():
+    dicts = test_dicts(run_dir, test)
+    rescored = rescorings(gts, dets, {d["image_id"]: d.get("aux_image_id") for d in dicts})
+    for k, d in rescored.items():
         out[k] = 100 * average_precision(gts, d, iou_thresh=0.2)
+    if resamples:
+        out["bootstrap"] = bootstrap_effects(
+            gts, rescored, {d["image_id"]: d["exam_id"] for d in dicts}, resamples)
     return out
 
 
@@ -107,11 +138,14 @@ def main(argv=None):
     ap.add_argument("--runs", required=True, help="a folder of seed folders s<N> (run_seeds)")
     ap.add_argument("--rows", nargs="+", default=["faster_rcnn"], choices=sorted(METHODS))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--bootstrap", type=int, default=0, metavar="N",
+                    help="resamples of the test exams for each seed's intervals (0: none)")
     a = ap.parse_args(argv)
     seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
     lines, record = [], {}
     for row in a.rows:
-        aps = {s: evaluate(os.path.join(a.runs, f"s{s}", row)) for s in seeds
+        aps = {s: evaluate(os.path.join(a.runs, f"s{s}", row), resamples=a.bootstrap)
+               for s in seeds
                if os.path.exists(os.path.join(a.runs, f"s{s}", row, "inference", "model", TEST,
                                               "detections_coco.json"))}
         done = sorted(aps)
@@ -127,6 +161,17 @@ def main(argv=None):
         for name, e in effects.items():
             lines.append(f"| {name} | {fmt_effect(e)} | {fmt_cell(e['p_t'], '.4f')} |")
         lines.append("")
+        if a.bootstrap:
+            lines += [f"Per seed, 95% interval over {a.bootstrap} resamples of the test exams:",
+                      "", "| effect | " + " | ".join(f"seed {s}" for s in done) + " |",
+                      "|---|" + "---|" * len(done)]
+            for x, y in EFFECTS:
+                cells = []
+                for s in done:
+                    lo, hi = aps[s]["bootstrap"][f"{x} − {y}"]
+                    cells.append(f"{aps[s][x] - aps[s][y]:+.1f} [{lo:+.1f}, {hi:+.1f}]")
+                lines.append(f"| {x} − {y} | " + " | ".join(cells) + " |")
+            lines.append("")
         record[row] = {"ap": {str(s): aps[s] for s in done}, "effects": effects}
     os.makedirs(a.out, exist_ok=True)
     text = "\n".join(lines)

@@ -741,3 +741,7 @@ def test_late_fusion_rescorings_on_an_exact_case(tmp_path, load_tool):
     assert ap["as saved"] == pytest.approx(2 / 3, abs=1e-9)
     assert ap["self"] == pytest.approx(ap["as saved"])
     assert ap["late fusion"] == pytest.approx(1.0) and ap["oracle"] == pytest.approx(1.0)
+    # one exam: every bootstrap draw is the whole split, so each interval is the point effect
+    one = script.bootstrap_effects(gts, r, {i: "exam" for i in images}, resamples=3)
+    assert one["late fusion − as saved"] == pytest.approx((100 / 3, 100 / 3))
+    assert one["self − as saved"] == pytest.approx((0.0, 0.0))
