@@ -15,10 +15,14 @@ image-level gate that knows what the other view shows). AP@0.2 by braixdet.evalu
 ``self``. The paired view is the dataset's own pairing (data/pairing.py ``aux_image_id``).
 With ``--bootstrap N`` each seed's effects also get a 95% interval from N resamples of the test
 split's exams (RESULTS §27: the test set's sampling noise for one trained model, where there
-are too few seeds to pair). Writes <out>/late_fusion.md and late_fusion.json. Not part of
-`make bench`.
+are too few seeds to pair). With ``--gates mvccl classifier_single_view`` each box's score is
+also multiplied by a stage-1 classifier's probability for its image (``gate <name>``, from
+<seed>/<name>/inference/model/<test>_cls/classification_predictions.csv; RESULTS §27), and
+the gates are compared with ``as saved`` and with each other. Writes <out>/late_fusion.md and
+late_fusion.json. Not part of `make bench`.
 """
 import argparse
+import csv
 import json
 import os
 
@@ -67,8 +71,24 @@ def load_saved(folder):
     return gts, dets
 
 
-def rescorings(gts, dets, aux_of):
-    """{rescoring: dets} for RESCORINGS; ``aux_of`` {image id: paired view's image id}. Late
+def effects_of(gates=()):
+    """The (with, without) pairs reported: EFFECTS, each gate against ``as saved``, and the
+    first gate against the others."""
+    names = [f"gate {g}" for g in gates]
+    return (*EFFECTS, *((n, "as saved") for n in names), *((names[0], n) for n in names[1:]))
+
+
+def read_gate(run_dir, test=TEST):
+    """{image id: probability} of the stage-1 export in ``run_dir`` on the test split."""
+    path = os.path.join(run_dir, "inference", "model", f"{test}_cls",
+                        "classification_predictions.csv")
+    with open(path, newline="") as f:
+        return {r["image_id"]: float(r["prob"]) for r in csv.DictReader(f)}
+
+
+def rescorings(gts, dets, aux_of, gates=None):
+    """{rescoring: dets} for RESCORINGS, and ``gate <name>`` for each {name: {image id:
+    probability}} of ``gates``; ``aux_of`` {image id: paired view's image id}. Late
     fusion and self are the option TEST.BRAIXDET.PAIRED_VIEW_RESCORE (exam_scores), the
     latter with every image its own partner."""
     scores = {i: dets[i][1] if i in dets else np.zeros(0) for i in gts.keys() | dets.keys()}
@@ -76,12 +96,15 @@ def rescorings(gts, dets, aux_of):
     def with_scores(new):
         return {i: (b, new[i]) for i, (b, _) in dets.items()}
 
+    gated = {f"gate {g}": {i: (b, s * p[i]) for i, (b, s) in dets.items()}
+             for g, p in (gates or {}).items()}
     return {
         "as saved": dets,
         "late fusion": with_scores(paired_view_rescore(scores, aux_of)),
         "self": with_scores(paired_view_rescore(scores, {})),
         "oracle": {i: (b, s * (1.0 if len(gts.get(aux_of.get(i), ())) else ORACLE_FLOOR))
                    for i, (b, s) in dets.items()},
+        **gated,
     }
 
 
@@ -93,8 +116,8 @@ def test_dicts(run_dir, test=TEST):
     return get_dicts(test)
 
 
-def bootstrap_effects(gts, rescored, exam_of, resamples, seed=0):
-    """{"x − y": (2.5th, 97.5th percentile)} of AP@0.2 × 100 differences for EFFECTS over
+def bootstrap_effects(gts, rescored, exam_of, resamples, seed=0, effects=EFFECTS):
+    """{"x − y": (2.5th, 97.5th percentile)} of AP@0.2 × 100 differences for ``effects`` over
     ``resamples`` draws of the exams with replacement, every rescoring on the same draws (an
     exam drawn twice counts twice)."""
     exams = sorted(set(exam_of.values()))
@@ -102,7 +125,7 @@ def bootstrap_effects(gts, rescored, exam_of, resamples, seed=0):
     for i in gts:
         images[exam_of[i]].append(i)
     rng = np.random.default_rng(seed)
-    diffs = {f"{x} − {y}": [] for x, y in EFFECTS}
+    diffs = {f"{x} − {y}": [] for x, y in effects}
     for _ in range(resamples):
         drawn = [(k, i) for k, e in enumerate(rng.choice(len(exams), len(exams)))
                  for i in images[exams[e]]]
@@ -110,26 +133,29 @@ def bootstrap_effects(gts, rescored, exam_of, resamples, seed=0):
         ap = {name: 100 * average_precision(
             g, {key: d[key[1]] for key in drawn if key[1] in d}, iou_thresh=0.2)
               for name, d in rescored.items()}
-        for x, y in EFFECTS:
+        for x, y in effects:
             diffs[f"{x} − {y}"].append(ap[x] - ap[y])
     return {k: tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) for k, v in diffs.items()}
 
 
-def evaluate(run_dir, test=TEST, resamples=0):
+def evaluate(run_dir, test=TEST, resamples=0, gates=()):
     """{rescoring: AP@0.2 × 100} of the row in ``run_dir``, the evaluator's own AP
     ("evaluator", to check the recomputation) and, with ``resamples``, the exam bootstrap's
-    intervals ("bootstrap")."""
+    intervals ("bootstrap"); ``gates``: stage-1 folder names beside ``run_dir``."""
     folder = os.path.join(run_dir, "inference", "model", test)
     gts, dets = load_saved(folder)
     with open(os.path.join(folder, "metrics.json")) as f:
         out = {"evaluator": json.load(f)["bbox"]["AP20"]}
     dicts = test_dicts(run_dir, test)
-    rescored = rescorings(gts, dets, {d["image_id"]: d.get("aux_image_id") for d in dicts})
+    rescored = rescorings(gts, dets, {d["image_id"]: d.get("aux_image_id") for d in dicts},
+                          {g: read_gate(os.path.join(run_dir, os.pardir, g), test)
+                           for g in gates})
     for k, d in rescored.items():
         out[k] = 100 * average_precision(gts, d, iou_thresh=0.2)
     if resamples:
         out["bootstrap"] = bootstrap_effects(
-            gts, rescored, {d["image_id"]: d["exam_id"] for d in dicts}, resamples)
+            gts, rescored, {d["image_id"]: d["exam_id"] for d in dicts}, resamples,
+            effects=effects_of(gates))
     return out
 
 
@@ -140,23 +166,30 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--bootstrap", type=int, default=0, metavar="N",
                     help="resamples of the test exams for each seed's intervals (0: none)")
+    ap.add_argument("--gates", nargs="+", default=[], metavar="STAGE1",
+                    help="stage-1 folders (mvccl, classifier_single_view) whose test "
+                         "probabilities gate the boxes, each a rescoring of its own")
     a = ap.parse_args(argv)
     seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
     lines, record = [], {}
+    names = (*RESCORINGS, *(f"gate {g}" for g in a.gates))
+    effect_pairs = effects_of(a.gates)
     for row in a.rows:
-        aps = {s: evaluate(os.path.join(a.runs, f"s{s}", row), resamples=a.bootstrap)
+        aps = {s: evaluate(os.path.join(a.runs, f"s{s}", row), resamples=a.bootstrap,
+                           gates=a.gates)
                for s in seeds
                if os.path.exists(os.path.join(a.runs, f"s{s}", row, "inference", "model", TEST,
                                               "detections_coco.json"))}
         done = sorted(aps)
         for s in done:
-            print(f"   s{s} {row}: " + ", ".join(f"{k} {aps[s][k]:.1f}" for k in RESCORINGS)
+            print(f"   s{s} {row}: " + ", ".join(f"{k} {aps[s][k]:.1f}" for k in names)
                   + f" (evaluator {aps[s]['evaluator']:.1f})", flush=True)
         lines += [f"**{METHODS[row].label}**, seeds {done}, test AP@0.2:", "",
-                  *seed_table("rescoring", {k: [aps[s][k] for s in done] for k in RESCORINGS},
+                  *seed_table("rescoring", {k: [aps[s][k] for s in done] for k in names},
                               done)]
         effects = {f"{x} − {y}": paired_effect([aps[s][x] for s in done],
-                                               [aps[s][y] for s in done]) for x, y in EFFECTS}
+                                               [aps[s][y] for s in done])
+                   for x, y in effect_pairs}
         lines += ["", "| effect | mean [95% CI] | paired t p |", "|---|---|---|"]
         for name, e in effects.items():
             lines.append(f"| {name} | {fmt_effect(e)} | {fmt_cell(e['p_t'], '.4f')} |")
@@ -165,7 +198,7 @@ def main(argv=None):
             lines += [f"Per seed, 95% interval over {a.bootstrap} resamples of the test exams:",
                       "", "| effect | " + " | ".join(f"seed {s}" for s in done) + " |",
                       "|---|" + "---|" * len(done)]
-            for x, y in EFFECTS:
+            for x, y in effect_pairs:
                 cells = []
                 for s in done:
                     lo, hi = aps[s]["bootstrap"][f"{x} − {y}"]

@@ -745,3 +745,14 @@ def test_late_fusion_rescorings_on_an_exact_case(tmp_path, load_tool):
     one = script.bootstrap_effects(gts, r, {i: "exam" for i in images}, resamples=3)
     assert one["late fusion − as saved"] == pytest.approx((100 / 3, 100 / 3))
     assert one["self − as saved"] == pytest.approx((0.0, 0.0))
+    # a stage-1 classifier's probabilities as a gate, read from its predictions CSV
+    csv_dir = tmp_path / "clf" / "inference" / "model" / "t_cls"
+    csv_dir.mkdir(parents=True)
+    (csv_dir / "classification_predictions.csv").write_text(
+        "image_id,label,prob\nA_L_CC,1,0.5\nA_L_MLO,1,0.5\nB_R_CC,0,0.1\nB_R_MLO,0,0.2\n")
+    gate = script.read_gate(str(tmp_path / "clf"), "t")
+    g = script.rescorings(gts, dets, aux_of, {"clf": gate})["gate clf"]
+    assert np.allclose(g["A_L_CC"][1], [0.3]) and np.allclose(g["B_R_CC"][1], [0.09])
+    assert average_precision(gts, g, iou_thresh=0.2) == pytest.approx(1.0)
+    assert script.effects_of(["m", "s"])[-3:] == (("gate m", "as saved"), ("gate s", "as saved"),
+                                                  ("gate m", "gate s"))
