@@ -27,11 +27,13 @@ import json
 import os
 
 import numpy as np
+from detectron2.structures import BoxMode
 
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.data.build import get_dicts
 from braixdet.evaluation.exam_scores import paired_view_rescore
 from braixdet.evaluation.metrics import average_precision
+from braixdet.inference.visualize import load_predictions
 from braixdet.pipeline.methods import METHODS
 from braixdet.pipeline.results import fmt_cell, fmt_effect, paired_effect, seed_table
 from braixdet.utils.io import atomic_write_json, atomic_write_text
@@ -44,31 +46,19 @@ EFFECTS = (("late fusion", "as saved"), ("late fusion", "self"), ("self", "as sa
 ORACLE_FLOOR = 0.01  # the oracle's factor on an image whose paired view holds no lesion
 
 
-def _xyxy(bbox):
-    x, y, w, h = bbox
-    return [x, y, x + w, y + h]
-
-
 def load_saved(folder):
     """(gts, dets) of an evaluator's saved COCO files, keyed by the dataset's image id:
-    gts {id: (n, 4) xyxy}, dets {id: ((n, 4) xyxy, (n,) scores)}."""
+    gts {id: (n, 4) xyxy} of every evaluated image, dets {id: ((n, 4) xyxy, (n,) scores)} of
+    the images with a detection (read as tools/visualize.py reads them)."""
     with open(os.path.join(folder, "gt_coco.json")) as f:
         gt = json.load(f)
-    with open(os.path.join(folder, "detections_coco.json")) as f:
-        saved = json.load(f)
     name = {im["id"]: im["braixdet_image_id"] for im in gt["images"]}
     gts = {i: [] for i in name.values()}
     for a in gt["annotations"]:
-        gts[name[a["image_id"]]].append(_xyxy(a["bbox"]))
-    boxes, scores = {}, {}
-    for d in saved:
-        i = name[d["image_id"]]
-        boxes.setdefault(i, []).append(_xyxy(d["bbox"]))
-        scores.setdefault(i, []).append(d["score"])
+        gts[name[a["image_id"]]].append(BoxMode.convert(a["bbox"], BoxMode.XYWH_ABS,
+                                                         BoxMode.XYXY_ABS))
     gts = {i: np.asarray(b, dtype=np.float64).reshape(-1, 4) for i, b in gts.items()}
-    dets = {i: (np.asarray(boxes[i], dtype=np.float64).reshape(-1, 4),
-                np.asarray(scores[i], dtype=np.float64)) for i in boxes}
-    return gts, dets
+    return gts, load_predictions(os.path.join(folder, "detections_coco.json"))
 
 
 def effects_of(gates=()):
@@ -96,15 +86,16 @@ def rescorings(gts, dets, aux_of, gates=None):
     def with_scores(new):
         return {i: (b, new[i]) for i, (b, _) in dets.items()}
 
-    gated = {f"gate {g}": {i: (b, s * p[i]) for i, (b, s) in dets.items()}
-             for g, p in (gates or {}).items()}
+    def scaled(factor):  # {image id: factor}
+        return {i: (b, s * factor[i]) for i, (b, s) in dets.items()}
+
+    oracle = {i: 1.0 if len(gts.get(aux_of.get(i), ())) else ORACLE_FLOOR for i in dets}
     return {
         "as saved": dets,
         "late fusion": with_scores(paired_view_rescore(scores, aux_of)),
         "self": with_scores(paired_view_rescore(scores, {})),
-        "oracle": {i: (b, s * (1.0 if len(gts.get(aux_of.get(i), ())) else ORACLE_FLOOR))
-                   for i, (b, s) in dets.items()},
-        **gated,
+        "oracle": scaled(oracle),
+        **{f"gate {g}": scaled(p) for g, p in (gates or {}).items()},
     }
 
 
