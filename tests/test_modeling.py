@@ -249,6 +249,12 @@ def test_classifier_head_reading_the_aux_view_only_through_the_lcm():
                                             "MODEL.BRAIXDET.GCM.ENABLED": False})
     check_config(cfg)
     inputs = make_inputs(4, seed=3)
+    # the aux <- main branch, which this head never reads, is not built: every parameter
+    # gets a gradient (DDP's default needs that)
+    assert not model.bottom_up.lcm.bidirectional
+    losses = model.train()(inputs)
+    sum(losses.values()).backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
     calibrate_bn(model, inputs)
     x = model.preprocess_image(inputs).tensor
     other = torch.cat([x[:, :1], x.flip(0)[:, 1:2]], dim=1)  # other images as second views

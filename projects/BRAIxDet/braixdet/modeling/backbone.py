@@ -155,7 +155,7 @@ def _encoder_from_cfg(cfg, extra_features=()) -> TimmBackbone:
 
 def build_multiview_bottom_up(cfg, bidirectional: bool = False, extra_features=(),
                               aux_global: bool = False) -> MultiViewBottomUp:
-    """Encoder + LCM (bidirectional in the classifier, main branch only in the detector).
+    """Encoder + LCM (bidirectional in the classifier whose head reads ũ_a, else main branch only).
     ``extra_features``: encoder stages to output besides OUT_FEATURES (same weights);
     ``aux_global``: also output AUX_GLOBAL (the detector's DET_READS_AUX_GLOBAL)."""
     b = cfg.MODEL.BRAIXDET

@@ -47,9 +47,12 @@ class MVCCLClassifier(nn.Module):
     @classmethod
     def from_config(cls, cfg):
         b = cfg.MODEL.BRAIXDET
-        # the encoder also outputs the GradCAM target stage when it is not the last one
+        # the encoder also outputs the GradCAM target stage when it is not the last one; the
+        # aux <- main branch only where the head reads ũ_a (an unread branch would be trained
+        # by nothing and break DDP without find_unused_parameters)
         bottom_up = build_multiview_bottom_up(
-            cfg, bidirectional=True, extra_features=tuple(b.CAM.TARGET_LAYER.split("+")))
+            cfg, bidirectional=bool(b.CLS_HEAD_READS_AUX),
+            extra_features=tuple(b.CAM.TARGET_LAYER.split("+")))
         c = bottom_up.output_shape()[FUSE_FEATURE].channels
         multi_view = bool(b.MULTI_VIEW)
         gcm = GlobalConsistencyModule(c) if multi_view and b.GCM.ENABLED else None
