@@ -41,7 +41,10 @@ CANDIDATES = {
     # B for A's 5 epochs (§11, second amendment): is the film's resolution all of the cause?
     "B5": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "5.0"],
     # third amendment: at A's 256x128, one suspect each (is a part of BRAIxMVCCL the cause?)
-    "SV": ["MODEL.BRAIXDET.MULTI_VIEW", "False"],  # single view: no LCM, no GCM
+    # single view: no LCM, no GCM (so the LCM widths of mvccl.yaml go back to the defaults:
+    # training refuses LCM keys a model does not build; RESULTS §11 trained the same model)
+    "SV": ["MODEL.BRAIXDET.MULTI_VIEW", "False", "MODEL.BRAIXDET.LCM.EMBED_DIM", "128",
+           "MODEL.BRAIXDET.LCM.OUT_DIM", "128"],
     "GCM0": ["MODEL.BRAIXDET.GCM.LOSS_WEIGHT", "0.0"],  # no consistency loss
     "REG": ["MODEL.BRAIXDET.CLS_DROPOUT", "0.5", "MODEL.BRAIXDET.LCM.DROPOUT", "0.1",
             "INPUT.BRAIXDET.AUG.BRIGHTNESS", "0.3", "INPUT.BRAIXDET.AUG.CONTRAST", "0.3"],

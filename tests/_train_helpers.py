@@ -19,6 +19,8 @@ CONFIGS = {
     "braixdet": os.path.join(REPO, "configs", "demo", "BRAIxDet", "braixdet.yaml"),
     "faster_rcnn": os.path.join(REPO, "configs", "demo", "baselines", "faster_rcnn.yaml"),
 }
+# the stages whose config builds an LCM (the competitors' configs are single-view)
+MULTI_VIEW_STAGES = ("mvccl", "braixdet")
 
 # the tiny detectors' proposal budget: a detector sends every top-k proposal to the ROI heads,
 # and with random weights nearly all survive NMS; 50 keep a CPU step short
@@ -45,10 +47,13 @@ def tiny_opts(root, out, cache_dir, stage="braixdet", max_iter=4, ckpt_period=10
         "SOLVER.WARMUP_ITERS", "2",
         "SOLVER.CHECKPOINT_PERIOD", str(ckpt_period),
         "TEST.EVAL_PERIOD", str(eval_period),
-        "MODEL.BRAIXDET.LCM.EMBED_DIM", "32",
-        "MODEL.BRAIXDET.LCM.OUT_DIM", "32",
         "SEED", "7",
     ]
+    extra = [str(x) for x in extra]
+    if stage in MULTI_VIEW_STAGES and ["MODEL.BRAIXDET.MULTI_VIEW", "False"] not in [
+            extra[i:i + 2] for i in range(0, len(extra), 2)]:
+        # only where the model builds an LCM: training refuses LCM keys elsewhere
+        opts += ["MODEL.BRAIXDET.LCM.EMBED_DIM", "32", "MODEL.BRAIXDET.LCM.OUT_DIM", "32"]
     if stage == "mvccl":
         opts += ["MODEL.BRAIXDET.CLS_HIDDEN_DIM", "32"]
     else:
@@ -66,7 +71,7 @@ def tiny_opts(root, out, cache_dir, stage="braixdet", max_iter=4, ckpt_period=10
         # a fast-moving teacher (alpha 0.5) makes the EMA relation visible in a few steps
         opts += ["SSL.CAM_JSON", str(cam_json), "SSL.CAM_FUSION_ITERS", str(cam_iters),
                  "SSL.EMA_ALPHA", "0.5"]
-    return opts + [str(x) for x in extra]
+    return opts + extra
 
 
 def seed_as_train_net(cfg):

@@ -531,6 +531,57 @@ def test_preflight_accepts_named_pretrained_sources_and_resume(synthetic_root, t
         check_before_training(cfg, eval_only=True)
 
 
+@pytest.mark.parametrize("stage,extra,reason", [
+    ("faster_rcnn", ["MODEL.BRAIXDET.LCM.EMBED_DIM", "64"],
+     "MODEL.BRAIXDET.LCM.EMBED_DIM = 64 does nothing: this model has no LCM "
+     "(MODEL.BRAIXDET.MULTI_VIEW False); leave it at 128"),
+    ("braixdet", ["MODEL.BRAIXDET.GCM.ENABLED", "False"],
+     "MODEL.BRAIXDET.GCM.ENABLED = False does nothing: this model has no GCM (a detector:"),
+    ("braixdet", ["MODEL.BRAIXDET.LCM.ENABLED", "False"],
+     "MODEL.BRAIXDET.LCM.EMBED_DIM = 32 does nothing: this model has no LCM (LCM.ENABLED False)"),
+    ("mvccl", ["MODEL.BRAIXDET.GCM.ENABLED", "False", "MODEL.BRAIXDET.GCM.LOSS_WEIGHT", "0.5"],
+     "MODEL.BRAIXDET.GCM.LOSS_WEIGHT = 0.5 does nothing: this model has no GCM (GCM.ENABLED "
+     "False)"),
+    # single view on top of the multi-view config: the LCM widths it sets would do nothing
+    ("mvccl", ["MODEL.BRAIXDET.MULTI_VIEW", "False"],
+     "MODEL.BRAIXDET.LCM.EMBED_DIM = 64 does nothing: this model has no LCM "
+     "(MODEL.BRAIXDET.MULTI_VIEW False)"),
+    ("mvccl", ["MODEL.BRAIXDET.MULTI_VIEW", "False", "MODEL.BRAIXDET.LCM.EMBED_DIM", "128",
+               "MODEL.BRAIXDET.LCM.OUT_DIM", "128", "MODEL.BRAIXDET.GCM.LOSS_WEIGHT", "0.5"],
+     "MODEL.BRAIXDET.GCM.LOSS_WEIGHT = 0.5 does nothing: this model has no GCM "
+     "(MODEL.BRAIXDET.MULTI_VIEW False)"),
+])
+def test_preflight_refuses_keys_of_a_module_the_model_does_not_build(
+        synthetic_root, tmp_path, stage, extra, reason):
+    """An LCM.* or GCM.* value where the model builds no LCM or GCM would do nothing: refused
+    before training, in one line; accepted where the module exists, and by --eval-only (a
+    saved config of an older single-view run may carry the demo's LCM widths)."""
+    from braixdet.config import ConfigValueError
+    from braixdet.engine.preflight import check_before_training
+
+    cfg = _registered_cfg(synthetic_root, tmp_path, stage=stage, extra=extra)
+    with pytest.raises(ConfigValueError) as e:
+        check_before_training(cfg)
+    assert str(e.value).startswith(reason) and "\n" not in str(e.value), str(e.value)
+    (tmp_path / "model.pth").write_bytes(b"x")
+    cfg.defrost()
+    cfg.MODEL.WEIGHTS = str(tmp_path / "model.pth")
+    check_before_training(cfg, eval_only=True)
+
+
+def test_preflight_accepts_module_keys_where_the_module_is_built(synthetic_root, tmp_path):
+    from braixdet.engine.preflight import check_before_training
+
+    check_before_training(_registered_cfg(synthetic_root, tmp_path, extra=[
+        "MODEL.BRAIXDET.LCM.DROPOUT", "0.1", "MODEL.BRAIXDET.LCM.LR_FACTOR", "10.0"]))
+    check_before_training(_registered_cfg(synthetic_root, tmp_path, stage="mvccl", extra=[
+        "MODEL.BRAIXDET.GCM.LOSS_WEIGHT", "0.5"]))
+    # the switches act where the architecture has the module, also when off
+    check_before_training(_registered_cfg(synthetic_root, tmp_path, stage="mvccl", extra=[
+        "MODEL.BRAIXDET.GCM.ENABLED", "False", "MODEL.BRAIXDET.LCM.ENABLED", "False",
+        "MODEL.BRAIXDET.LCM.EMBED_DIM", "128", "MODEL.BRAIXDET.LCM.OUT_DIM", "128"]))
+
+
 def test_preflight_disk_space(monkeypatch, tmp_path):
     import types
 

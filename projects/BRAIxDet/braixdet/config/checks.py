@@ -17,9 +17,9 @@ from ..data.protocols import PROTOCOLS, TEST_IMAGES, parse_ratio
 from ..ssl.box_sources import CAM_BOX_SOURCES
 from ..ssl.competitors import PSEUDO_LABEL_MODES, STRONG_AUG_POLICIES
 from ..ssl.ema import BN_MODES
-from .defaults import D2_INPUT_KEYS, UNSUPPORTED_KEYS
+from .defaults import D2_INPUT_KEYS, UNSUPPORTED_KEYS, add_braixdet_config
 
-__all__ = ["ConfigValueError", "check_config", "OPTIMIZERS"]
+__all__ = ["ConfigValueError", "check_config", "check_module_keys", "OPTIMIZERS"]
 
 OPTIMIZERS = ("ADAM", "SGD")  # SOLVER.BRAIXDET.OPTIMIZER, any case (engine/trainers.py)
 
@@ -171,6 +171,41 @@ def _check_paired_view_rescore(cfg):
         # the classifier's evaluator scores images, not boxes
         raise ConfigValueError("TEST.BRAIXDET.PAIRED_VIEW_RESCORE", True,
                                "False unless the model is a detector")
+
+
+def _view_modules(cfg):
+    """{config node: why the model builds none of it ("" when it does), whether its ENABLED
+    switch acts}: a switch acts where the architecture has the module, even when off."""
+    b = cfg.MODEL.BRAIXDET
+    if not b.MULTI_VIEW:
+        lcm = gcm = ("MODEL.BRAIXDET.MULTI_VIEW False", False)
+    else:
+        lcm = ("" if b.LCM.ENABLED else "LCM.ENABLED False", True)
+        gcm = ("" if b.GCM.ENABLED else "GCM.ENABLED False", True)
+        if cfg.MODEL.META_ARCHITECTURE != "MVCCLClassifier":
+            gcm = ("a detector: the paper prunes the GCM, §3.2", False)
+    return {"LCM": lcm, "GCM": gcm}
+
+
+def check_module_keys(cfg):
+    """Refuse an LCM.* or GCM.* value other than its default where the model does not build
+    that module (it would do nothing). Checked before training, not by ``check_config``: a
+    saved config of a single-view run from before this check may carry the demo's LCM widths,
+    and inference must still read it."""
+    defaults = get_cfg()
+    add_braixdet_config(defaults)
+    for node, (why, switch_acts) in _view_modules(cfg).items():
+        if not why:
+            continue
+        for leaf, default in defaults.MODEL.BRAIXDET[node].items():
+            if leaf == "ENABLED" and switch_acts:
+                continue
+            key = f"MODEL.BRAIXDET.{node}.{leaf}"
+            got = _get(cfg, key)
+            if _plain(got) != _plain(default):
+                raise ConfigValueError(key, got, repr(default), message=(
+                    f"{key} = {got!r} does nothing: this model has no {node} ({why}); "
+                    f"leave it at {default!r}"))
 
 
 def check_config(cfg):

@@ -11,7 +11,9 @@ trainer is built, on the main process):
   MODEL.BRAIXDET.INIT_FROM_CLASSIFIER, SSL.CAM_JSON (when SSL.USE_CAM; also parsed as JSON) and
   MODEL.BRAIXDET.PRETRAINED when it is a path (it may also name a source such as ``imagenet``:
   only values with a path separator or a .pth/.pt/.safetensors/.bin suffix are files);
-* OUTPUT_DIR is writable.
+* OUTPUT_DIR is writable;
+* no LCM.* or GCM.* key is set where the model does not build that module
+  (``config.check_module_keys``; a ConfigValueError, also one line).
 
 ``check_disk_space(cfg, trainer)`` (after the trainer is built, before its first step): the
 folder must have room for one checkpoint, estimated as the model's state bytes x (1 + optimizer
@@ -30,6 +32,7 @@ import tempfile
 
 from detectron2.data import DatasetCatalog, MetadataCatalog
 
+from ..config.checks import check_module_keys
 from ..data.report import BadInputError
 from ..utils.modules import unwrap
 
@@ -166,7 +169,10 @@ def _check_val_has_lesions(cfg, key, name, dicts):
 
 
 def check_before_training(cfg, resume=False, eval_only=False):
-    """Run every check (cheap ones first); raise PreflightError on the first failure."""
+    """Run every check (cheap ones first); raise PreflightError (ConfigValueError for a key
+    that would do nothing in training) on the first failure."""
+    if not eval_only:
+        check_module_keys(cfg)
     _check_output_dir(cfg)
     _check_files(cfg, resume, eval_only)
     _check_datasets(cfg, eval_only)
