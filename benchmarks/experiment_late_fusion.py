@@ -18,7 +18,10 @@ split's exams (RESULTS §27: the test set's sampling noise for one trained model
 are too few seeds to pair). With ``--gates mvccl classifier_single_view`` each box's score is
 also multiplied by a stage-1 classifier's probability for its image (``gate <name>``, from
 <seed>/<name>/inference/model/<test>_cls/classification_predictions.csv; RESULTS §27), and
-the gates are compared with ``as saved`` and with each other. Writes <out>/late_fusion.md and
+the gates are compared with ``as saved`` and with each other. With ``--others E5=<folder>``
+another detector's saved test detections (its row folder; ``{seed}`` in the path is the seed)
+join as ``row E5`` and are compared the same way, on the same bootstrap draws (RESULTS §28:
+two detectors of one seed, paired by test exam). Writes <out>/late_fusion.md and
 late_fusion.json. Not part of `make bench`.
 """
 import argparse
@@ -61,11 +64,13 @@ def load_saved(folder):
     return gts, load_predictions(os.path.join(folder, "detections_coco.json"))
 
 
-def effects_of(gates=()):
-    """The (with, without) pairs reported: EFFECTS, each gate against ``as saved``, and the
-    first gate against the others."""
-    names = [f"gate {g}" for g in gates]
-    return (*EFFECTS, *((n, "as saved") for n in names), *((names[0], n) for n in names[1:]))
+def effects_of(gates=(), others=()):
+    """The (with, without) pairs reported: EFFECTS, each gate and each other row against ``as
+    saved``, and the first gate (first other row) against the other gates (rows)."""
+    out = list(EFFECTS)
+    for names in ([f"gate {g}" for g in gates], [f"row {o}" for o in others]):
+        out += [(n, "as saved") for n in names] + [(names[0], n) for n in names[1:]]
+    return tuple(out)
 
 
 def read_gate(run_dir, test=TEST):
@@ -129,10 +134,20 @@ def bootstrap_effects(gts, rescored, exam_of, resamples, seed=0, effects=EFFECTS
     return {k: tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) for k, v in diffs.items()}
 
 
-def evaluate(run_dir, test=TEST, resamples=0, gates=()):
+def load_other(folder, gts):
+    """Saved test detections of another row (its run folder), on exactly ``gts``' images."""
+    other_gts, dets = load_saved(folder)
+    if other_gts.keys() != gts.keys() or any(
+            not np.array_equal(other_gts[i], gts[i]) for i in gts):
+        raise SystemExit(f"error: {folder}: its test split is not this row's")
+    return dets
+
+
+def evaluate(run_dir, test=TEST, resamples=0, gates=(), others=None):
     """{rescoring: AP@0.2 × 100} of the row in ``run_dir``, the evaluator's own AP
     ("evaluator", to check the recomputation) and, with ``resamples``, the exam bootstrap's
-    intervals ("bootstrap"); ``gates``: stage-1 folder names beside ``run_dir``."""
+    intervals ("bootstrap"); ``gates``: stage-1 folder names beside ``run_dir``; ``others``:
+    {label: run folder of another row} (``row <label>``)."""
     folder = os.path.join(run_dir, "inference", "model", test)
     gts, dets = load_saved(folder)
     with open(os.path.join(folder, "metrics.json")) as f:
@@ -141,12 +156,15 @@ def evaluate(run_dir, test=TEST, resamples=0, gates=()):
     rescored = rescorings(gts, dets, {d["image_id"]: d.get("aux_image_id") for d in dicts},
                           {g: read_gate(os.path.join(run_dir, os.pardir, g), test)
                            for g in gates})
+    for label, other in (others or {}).items():
+        rescored[f"row {label}"] = load_other(os.path.join(other, "inference", "model", test),
+                                              gts)
     for k, d in rescored.items():
         out[k] = 100 * average_precision(gts, d, iou_thresh=0.2)
     if resamples:
         out["bootstrap"] = bootstrap_effects(
             gts, rescored, {d["image_id"]: d["exam_id"] for d in dicts}, resamples,
-            effects=effects_of(gates))
+            effects=effects_of(gates, others or {}))
     return out
 
 
@@ -160,14 +178,19 @@ def main(argv=None):
     ap.add_argument("--gates", nargs="+", default=[], metavar="STAGE1",
                     help="stage-1 folders (mvccl, classifier_single_view) whose test "
                          "probabilities gate the boxes, each a rescoring of its own")
+    ap.add_argument("--others", nargs="+", default=[], metavar="LABEL=FOLDER",
+                    help="other rows' run folders ({seed} = the seed) compared on the same "
+                         "test exams, e.g. E5=out/e5/s{seed}/faster_rcnn_mv")
     a = ap.parse_args(argv)
+    others = dict(o.split("=", 1) for o in a.others)
     seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
     lines, record = [], {}
-    names = (*RESCORINGS, *(f"gate {g}" for g in a.gates))
-    effect_pairs = effects_of(a.gates)
+    names = (*RESCORINGS, *(f"gate {g}" for g in a.gates), *(f"row {o}" for o in others))
+    effect_pairs = effects_of(a.gates, others)
     for row in a.rows:
         aps = {s: evaluate(os.path.join(a.runs, f"s{s}", row), resamples=a.bootstrap,
-                           gates=a.gates)
+                           gates=a.gates,
+                           others={k: v.format(seed=s) for k, v in others.items()})
                for s in seeds
                if os.path.exists(os.path.join(a.runs, f"s{s}", row, "inference", "model", TEST,
                                               "detections_coco.json"))}

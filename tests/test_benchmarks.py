@@ -756,3 +756,17 @@ def test_late_fusion_rescorings_on_an_exact_case(tmp_path, load_tool):
     assert average_precision(gts, g, iou_thresh=0.2) == pytest.approx(1.0)
     assert script.effects_of(["m", "s"])[-3:] == (("gate m", "as saved"), ("gate s", "as saved"),
                                                   ("gate m", "gate s"))
+    assert script.effects_of([], ["E5", "F"])[-3:] == (("row E5", "as saved"),
+                                                       ("row F", "as saved"), ("row E5", "row F"))
+    # another row's saved detections on the same test images: here the late-fused ones
+    other = tmp_path / "other" / "inference" / "model" / "t"
+    other.mkdir(parents=True)
+    (other / "gt_coco.json").write_text(json.dumps(gt))
+    (other / "detections_coco.json").write_text(json.dumps([dict(d, score=s) for d, s in zip(
+        saved, [0.36, 0.36, 0.0])]))
+    dets_other = script.load_other(str(other), gts)
+    assert average_precision(gts, dets_other, iou_thresh=0.2) == pytest.approx(1.0)
+    gt["annotations"].pop()  # another split: refused
+    (other / "gt_coco.json").write_text(json.dumps(gt))
+    with pytest.raises(SystemExit, match="its test split is not this row's"):
+        script.load_other(str(other), gts)
