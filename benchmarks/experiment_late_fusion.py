@@ -19,10 +19,11 @@ are too few seeds to pair). With ``--gates mvccl classifier_single_view`` each b
 also multiplied by a stage-1 classifier's probability for its image (``gate <name>``, from
 <seed>/<name>/inference/model/<test>_cls/classification_predictions.csv; RESULTS §27), and
 the gates are compared with ``as saved`` and with each other. With ``--others E5=<folder>``
-another detector's saved test detections (its row folder; ``{seed}`` in the path is the seed)
-join as ``row E5`` and are compared the same way, on the same bootstrap draws (RESULTS §28:
-two detectors of one seed, paired by test exam). Writes <out>/late_fusion.md and
-late_fusion.json. Not part of `make bench`.
+another detector's saved test detections (its row folder, or an evaluator's output folder
+such as experiment_aux_view.py's <row>/inference/aux_main/<test>; ``{seed}`` in the path is
+the seed) join as ``row E5`` and are compared the same way, on the same bootstrap draws
+(RESULTS §28: two detectors of one seed, paired by test exam). Writes <out>/late_fusion.md
+and late_fusion.json. Not part of `make bench`.
 """
 import argparse
 import csv
@@ -157,8 +158,9 @@ def evaluate(run_dir, test=TEST, resamples=0, gates=(), others=None):
                           {g: read_gate(os.path.join(run_dir, os.pardir, g), test)
                            for g in gates})
     for label, other in (others or {}).items():
-        rescored[f"row {label}"] = load_other(os.path.join(other, "inference", "model", test),
-                                              gts)
+        if not os.path.exists(os.path.join(other, "gt_coco.json")):  # a row's run folder
+            other = os.path.join(other, "inference", "model", test)
+        rescored[f"row {label}"] = load_other(other, gts)
     for k, d in rescored.items():
         out[k] = 100 * average_precision(gts, d, iou_thresh=0.2)
     if resamples:
