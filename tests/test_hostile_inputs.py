@@ -911,7 +911,8 @@ def test_train_net_planted_symlinks_refused_before_anything_is_written(synthetic
 def test_pipeline_shows_the_stages_error_line_not_its_traceback(tmp_path):
     """Issue 21 item 5 through run_pipeline.py: a bad stage-1 value used to end in the
     pipeline's own `RuntimeError: stage mvccl failed` traceback. Now the tool's last line is the
-    stage's one-line error, exit 1."""
+    stage's one-line error, exit 1, from the pipeline's check of every stage before the first
+    runs (a bad --det-opts value would otherwise surface after stage 1)."""
     import subprocess
     import sys
 
@@ -923,6 +924,19 @@ def test_pipeline_shows_the_stages_error_line_not_its_traceback(tmp_path):
         capture_output=True, text=True, timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert last.startswith("error: SOLVER.IMS_PER_BATCH = 0: allowed: an integer >= 1 "
-                           "(stage mvccl; log: "), proc.stderr[-2000:]
+    assert last == ("error: SOLVER.IMS_PER_BATCH = 0: allowed: an integer >= 1 "
+                    "(stage mvccl)"), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o" / "mvccl").exists()  # refused before any stage ran
+    # a detector's value that does nothing on a single-view row: refused before stage 1
+    proc = subprocess.run(
+        [sys.executable, os.path.join(repo, "tools", "run_pipeline.py"), "--root",
+         str(tmp_path / "no_data"), "--configs", os.path.join(repo, "configs", "demo"),
+         "--out", str(tmp_path / "o"), "--methods", "faster_rcnn_mv", "faster_rcnn",
+         "--det-opts", "MODEL.BRAIXDET.LCM.LR_FACTOR", "10.0"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: MODEL.BRAIXDET.LCM.LR_FACTOR = 10.0 does nothing: this model has no LCM "
+        "(MODEL.BRAIXDET.MULTI_VIEW False); leave it at 1.0 (stage faster_rcnn)")
+    assert not (tmp_path / "o" / "mvccl").exists()

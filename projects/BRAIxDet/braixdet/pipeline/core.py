@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from detectron2.data import DatasetCatalog
 
-from ..config import build_cfg, ratio_string, resolve_cfg
+from ..config import ConfigValueError, build_cfg, check_module_keys, ratio_string, resolve_cfg
 from ..config.schedule import stage2_epochs_opts
 from ..data.protocols import PROTOCOLS
 from ..data.register import RegistrationSpec, dataset_names, register_from_cfg
@@ -355,8 +355,28 @@ class Pipeline:
             self.skipped(m.teacher_from, self.dir(m.teacher_from))
         return self.detector(job, {m.init: self.stage1(m.init)}, cam_json)
 
+    def check_stages(self):
+        """Refuse in seconds, naming the stage, a value that a stage still to train would
+        refuse only when it starts, maybe hours in (check_config, and check_module_keys:
+        --opts, --stage1-opts and --det-opts reach every row, also rows without an LCM)."""
+        exports = {n: os.path.join(self.dir(n), EXPORT_NAME) for n in STAGE1}
+        stages = [(n, self.config(STAGE1[n]), list(self.args.stage1_opts))
+                  for n in self.stage1_jobs()]
+        stages += [(k, self.config(METHODS[k].config), self.detector_opts(k, exports, ""))
+                   for k in method_order(self.args.methods)]
+        for name, config, opts in stages:
+            if is_done(self.dir(name)):
+                continue
+            try:
+                check_module_keys(build_cfg(config, [*self.common, "OUTPUT_DIR",
+                                                     self.dir(name), *opts]))
+            except ConfigValueError as e:
+                raise ConfigValueError(e.key, e.value, e.allowed,
+                                       message=f"{e} (stage {name})") from None
+
     def run_all(self):
         a = self.args
+        self.check_stages()
         # stage 1 first: its run writes the split, from which plan() counts D_w
         stage1 = {name: self.stage1(name) for name in self.stage1_jobs()}
         plan = self.plan()

@@ -77,6 +77,7 @@ def job_graph(args, seeds, out, gpus_per_job, count_iterations=False):
     jobs = []
     for seed in seeds:
         pipe = Pipeline(seed_args(args, seed, out))
+        pipe.check_stages()  # a bad value ends the launch, not a job hours into the grid
         plan = pipe.plan()
         for stage in plan.jobs():
             if pipe.job_done(stage):
