@@ -929,14 +929,20 @@ def test_pipeline_shows_the_stages_error_line_not_its_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o" / "mvccl").exists()  # refused before any stage ran
     # a detector's value that does nothing on a single-view row: refused before stage 1
-    proc = subprocess.run(
-        [sys.executable, os.path.join(repo, "tools", "run_pipeline.py"), "--root",
-         str(tmp_path / "no_data"), "--configs", os.path.join(repo, "configs", "demo"),
-         "--out", str(tmp_path / "o"), "--methods", "faster_rcnn_mv", "faster_rcnn",
-         "--det-opts", "MODEL.BRAIXDET.LCM.LR_FACTOR", "10.0"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: MODEL.BRAIXDET.LCM.LR_FACTOR = 10.0 does nothing: this model has no LCM "
+    from argparse import Namespace
+
+    from braixdet.config import ConfigValueError
+    from braixdet.pipeline import Pipeline
+
+    pipe = Pipeline(Namespace(
+        dataset="cbis_ddsm", root=str(tmp_path / "no_data"), csv="", protocol="partial",
+        ratio="1/8", seed=0, out=str(tmp_path / "o"),
+        configs=os.path.join(repo, "configs", "demo"), methods=["faster_rcnn_mv", "faster_rcnn"],
+        num_gpus=1, num_machines=1, machine_rank=0, dist_url="auto", opts=[], stage1_opts=[],
+        det_opts=["MODEL.BRAIXDET.LCM.LR_FACTOR", "10.0"]))
+    with pytest.raises(ConfigValueError) as e:
+        pipe.run_all()
+    assert str(e.value) == (
+        "MODEL.BRAIXDET.LCM.LR_FACTOR = 10.0 does nothing: this model has no LCM "
         "(MODEL.BRAIXDET.MULTI_VIEW False); leave it at 1.0 (stage faster_rcnn)")
     assert not (tmp_path / "o" / "mvccl").exists()
