@@ -162,8 +162,7 @@ class Pipeline:
         """The stage-1 config with this run's overrides, as its stages build it; built once
         (dataset names, D_w, Algorithm 1's settings)."""
         if self._stage1_cfg is None:
-            self._stage1_cfg = build_cfg(self.config(STAGE1["mvccl"]), [
-                *self.common, "OUTPUT_DIR", self.dir("mvccl"), *self.args.stage1_opts])
+            self._stage1_cfg = self.stage_cfg("mvccl")
         return self._stage1_cfg
 
     def names(self):
@@ -285,16 +284,21 @@ class Pipeline:
             opts += ["SSL.ENABLED", "False", "SSL.CAM_JSON", ""]
         return [*opts, *self.args.det_opts]
 
-    def iterations(self, job, plan):
-        """Training iterations of a stage-1 or detector job, from its config and datasets as
-        the stage will resolve them (config/schedule.py); for the launcher's --dry-run."""
+    def stage_cfg(self, job, cam_json=""):
+        """The config of a stage-1 or detector job as its stage builds it (checked; datasets
+        not resolved)."""
         if job in STAGE1:
             config, opts = self.config(STAGE1[job]), list(self.args.stage1_opts)
         else:
             exports = {n: os.path.join(self.dir(n), EXPORT_NAME) for n in STAGE1}
             config = self.config(METHODS[job].config)
-            opts = self.detector_opts(job, exports, self.cam_json() if plan.gradcam else "")
-        cfg = resolve_cfg(build_cfg(config, [*self.common, "OUTPUT_DIR", self.dir(job), *opts]))
+            opts = self.detector_opts(job, exports, cam_json)
+        return build_cfg(config, [*self.common, "OUTPUT_DIR", self.dir(job), *opts])
+
+    def iterations(self, job, plan):
+        """Training iterations of a stage-1 or detector job, from its config and datasets as
+        the stage will resolve them (config/schedule.py); for the launcher's --dry-run."""
+        cfg = resolve_cfg(self.stage_cfg(job, self.cam_json() if plan.gradcam else ""))
         return int(cfg.SOLVER.MAX_ITER)
 
     def classifier_metrics(self, name):
@@ -359,17 +363,11 @@ class Pipeline:
         """Refuse in seconds, naming the stage, a value that a stage still to train would
         refuse only when it starts, maybe hours in (check_config, and check_module_keys:
         --opts, --stage1-opts and --det-opts reach every row, also rows without an LCM)."""
-        exports = {n: os.path.join(self.dir(n), EXPORT_NAME) for n in STAGE1}
-        stages = [(n, self.config(STAGE1[n]), list(self.args.stage1_opts))
-                  for n in self.stage1_jobs()]
-        stages += [(k, self.config(METHODS[k].config), self.detector_opts(k, exports, ""))
-                   for k in method_order(self.args.methods)]
-        for name, config, opts in stages:
+        for name in (*self.stage1_jobs(), *method_order(self.args.methods)):
             if is_done(self.dir(name)):
                 continue
             try:
-                check_module_keys(build_cfg(config, [*self.common, "OUTPUT_DIR",
-                                                     self.dir(name), *opts]))
+                check_module_keys(self.stage_cfg(name))
             except ConfigValueError as e:
                 raise ConfigValueError(e.key, e.value, e.allowed,
                                        message=f"{e} (stage {name})") from None
