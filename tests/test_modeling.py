@@ -488,3 +488,118 @@ def test_single_view_rcnn_ignores_aux():
         a, b = model(inputs)[0]["instances"], model(other)[0]["instances"]
     assert torch.equal(a.scores, b.scores) and np.array_equal(
         a.pred_boxes.tensor.numpy(), b.pred_boxes.tensor.numpy())
+
+
+# --- image-level loss in the detector (MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT) ------------------
+
+_H_CLASSIFIER = {"MODEL.BRAIXDET.CLS_HEAD_READS_AUX": False, "MODEL.BRAIXDET.GCM.ENABLED": False}
+
+
+def test_det_image_loss_is_the_bce_of_the_fused_res5_and_trains_the_lcm():
+    """The detector's image loss is w * BCE(head([max, mean] of ũ_m), label), and alone it
+    sends a gradient into the LCM's cross-view path; without the option there is no such
+    term and no head."""
+    plain, _ = build(seed=1)
+    assert plain.image_head is None
+    plain.train()
+    with EventStorage():
+        assert "loss_image" not in plain(make_inputs(2, boxes=True))
+    det, _ = build(seed=1, **{"MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT": 0.5})
+    det.train()
+    inputs = make_inputs(4, boxes=True)
+    torch.manual_seed(2)
+    with EventStorage():
+        losses = det(inputs)
+    x = det.preprocess_image(inputs).tensor
+    u = det.backbone.bottom_up(x)["res5"]  # train mode: same batch statistics as in forward
+    z = det.image_head(torch.cat([u.amax(dim=(2, 3)), u.mean(dim=(2, 3))], dim=1)).squeeze(1)
+    want = 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
+        z, torch.tensor([float(d["label"]) for d in inputs]))
+    assert torch.allclose(losses["loss_image"], want, atol=1e-6)
+    det.zero_grad()
+    losses["loss_image"].backward()
+    fuse = det.backbone.bottom_up.lcm.to_main
+    grads = [p.grad for n, p in fuse.named_parameters() if p.grad is not None]
+    assert grads and sum(g.abs().sum() for g in grads) > 0
+    assert all(p.grad is None or p.grad.abs().sum() == 0
+               for p in det.roi_heads.parameters())  # the image loss is the head's alone
+
+
+@pytest.mark.parametrize("cls_overrides,multi_view,loads", [
+    (_H_CLASSIFIER, True, True),  # head reads [max, mean] of ũ_m, as the detector's does
+    ({}, False, True),  # single view: [max, mean] of u_m
+    ({}, True, False),  # the paper's head reads 3C (GCM, ũ_m, ũ_a): not the same input
+])
+def test_det_image_head_starts_as_the_classifiers_head(cls_overrides, multi_view, loads):
+    """Where the classifier's head reads the summary the detector's reads, the detector's
+    image logit equals the classifier's logit on the same views; otherwise the head stays
+    fresh, whole, and nothing is reported mismatched."""
+    cls, _ = build("MVCCLClassifier", multi_view=multi_view, seed=4, **cls_overrides)
+    inputs = make_inputs(3, seed=5)
+    calibrate_bn(cls, inputs)
+    det, _ = build(multi_view=multi_view, seed=6, **{"MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT": 1.0})
+    fresh = {k: v.clone() for k, v in det.image_head.state_dict().items()}
+    report = load_classifier_weights(det, cls.state_dict())
+    assert report["mismatched"] == []
+    det.eval()
+    with torch.no_grad():
+        got = det.image_logits(det.backbone.bottom_up(det.preprocess_image(inputs).tensor))
+        want = torch.stack([o["logit"] for o in cls(inputs)])
+    head = det.image_head.state_dict()
+    if loads:
+        assert torch.allclose(got, want, atol=1e-5)
+        assert all(f"image_head.{k}" in report["loaded"] for k in cls.head.state_dict())
+    else:
+        assert all(torch.equal(head[k], fresh[k]) for k in head)
+        assert not any(k.startswith("image_head") for k in report["loaded"])
+
+
+def test_image_score_gate_scales_each_box_by_its_images_probability():
+    """TEST.BRAIXDET.IMAGE_SCORE_GATE: the same boxes, each score × sigmoid(image logit), in
+    the per-image path and in ExamPredictor's inference_exam alike."""
+    det, _ = build(seed=3, **{"MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT": 1.0})
+    torch.nn.init.normal_(det.image_head[-1].weight, std=1.0)  # probabilities far from 0.5
+    g = torch.Generator().manual_seed(5)
+    images = [blob_image(g) for _ in range(4)]
+    pairs = [(0, 1), (1, 0), (2, 3), (3, 2)]
+    inputs = [{"image": images[m], "aux_image": images[a]} for m, a in pairs]
+    calibrate_bn(det, inputs)
+    with torch.no_grad():
+        plain = det(inputs)
+        probs = torch.sigmoid(det.image_logits(
+            det.backbone.bottom_up(det.preprocess_image(inputs).tensor)))
+        det.image_score_gate = True
+        gated = det(inputs)
+        exam = det.inference_exam(images, pairs)
+    assert not torch.allclose(probs, torch.full_like(probs, probs[0]))
+    for p, a, b, e in zip(probs, plain, gated, exam):
+        a, b, e = a["instances"], b["instances"], e["instances"]
+        assert len(a) > 0 and torch.equal(a.pred_boxes.tensor, b.pred_boxes.tensor)
+        assert torch.allclose(b.scores, a.scores * p, atol=1e-6)
+        assert torch.allclose(e.scores, b.scores, atol=1e-5)
+    det.train()  # the SSL teacher's pseudo-labels (do_postprocess False) read unscaled scores
+    det.eval()
+    with torch.no_grad():
+        raw = det.inference(inputs, do_postprocess=False)
+    assert all(torch.equal(r.scores, a["instances"].scores) for r, a in zip(raw, plain))
+
+
+@pytest.mark.parametrize("key,value,overrides", [
+    ("MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", 1.0, {"meta": "MVCCLClassifier"}),
+    ("MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", 1.0, {"SSL.SOFT_TEACHER": True}),
+    ("MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", -0.5, {}),
+    ("TEST.BRAIXDET.IMAGE_SCORE_GATE", True, {}),  # no image head to gate by
+])
+def test_det_image_loss_refused_where_it_would_do_nothing(key, value, overrides):
+    from braixdet.config import ConfigValueError, check_config
+
+    overrides = dict(overrides)
+    cfg = tiny_cfg(overrides.pop("meta", "MultiViewRCNN"))
+    for k, v in {key: value, **overrides}.items():
+        node = cfg
+        *parents, leaf = k.split(".")
+        for p in parents:
+            node = getattr(node, p)
+        setattr(node, leaf, v)
+    with pytest.raises(ConfigValueError, match=key.split(".")[-1]):
+        check_config(cfg)

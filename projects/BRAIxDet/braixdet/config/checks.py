@@ -72,6 +72,7 @@ _CHECKS = {
     "NUM_THREADS": _int_at_least(0),
     "SOLVER.IMS_PER_BATCH": _int_at_least(1),
     "SOLVER.BASE_LR": _number_in(0, math.inf, lo_open=True, hi_open=True),
+    "MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT": _number_in(0, math.inf, hi_open=True),
     "SOLVER.BRAIXDET.OPTIMIZER": (lambda v: str(v).upper() in OPTIMIZERS, "ADAM or SGD"),
     "SOLVER.BRAIXDET.EPOCHS": _number_in(0, math.inf, lo_open=True, hi_open=True),
     "SOLVER.BRAIXDET.AMP_DTYPE": _one_of("auto", "bf16", "fp16"),
@@ -166,6 +167,25 @@ def _check_det_reads_aux_global(cfg):
             "MODEL.BACKBONE.NAME build_braixdet_fpn_backbone)"))
 
 
+def _check_det_image_loss(cfg):
+    b = cfg.MODEL.BRAIXDET
+    detector = (cfg.MODEL.META_ARCHITECTURE == "MultiViewRCNN"
+                and cfg.MODEL.BACKBONE.NAME == "build_braixdet_fpn_backbone")
+    if b.DET_IMAGE_LOSS_WEIGHT > 0 and not detector:
+        raise ConfigValueError("MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", b.DET_IMAGE_LOSS_WEIGHT, (
+            "0 unless the model is a detector (MultiViewRCNN with MODEL.BACKBONE.NAME "
+            "build_braixdet_fpn_backbone); the classifier's own head is trained on the label"))
+    if b.DET_IMAGE_LOSS_WEIGHT > 0 and cfg.SSL.SOFT_TEACHER:
+        # soft_teacher_losses runs the student's parts itself, not its forward
+        raise ConfigValueError("MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", b.DET_IMAGE_LOSS_WEIGHT,
+                               "0 with SSL.SOFT_TEACHER (its weak-image losses bypass the "
+                               "image head)")
+    if cfg.TEST.BRAIXDET.IMAGE_SCORE_GATE and not (detector and b.DET_IMAGE_LOSS_WEIGHT > 0):
+        raise ConfigValueError("TEST.BRAIXDET.IMAGE_SCORE_GATE", True, (
+            "False unless MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT > 0 trains the detector's "
+            "image head"))
+
+
 def _check_paired_view_rescore(cfg):
     if cfg.TEST.BRAIXDET.PAIRED_VIEW_RESCORE and cfg.MODEL.META_ARCHITECTURE == "MVCCLClassifier":
         # the classifier's evaluator scores images, not boxes
@@ -221,6 +241,7 @@ def check_config(cfg):
     _check_lcm_extra_features(cfg)
     _check_cls_head_reads_aux(cfg)
     _check_det_reads_aux_global(cfg)
+    _check_det_image_loss(cfg)
     _check_paired_view_rescore(cfg)
     if cfg.SSL.STRONG_AUG_LABELLED and not cfg.SSL.STRONG_AUG:
         raise ConfigValueError("SSL.STRONG_AUG_LABELLED", True, "False unless SSL.STRONG_AUG "

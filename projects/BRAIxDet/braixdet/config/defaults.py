@@ -66,6 +66,12 @@ def _add_model_config(cfg):
     # second view through and the paper's detector drops (modeling/backbone.py AuxGlobalFPN;
     # RESULTS §26). Not in the paper: off by default
     b.DET_READS_AUX_GLOBAL = False
+    # Detector: weight of an image-level BCE on the image label, from a head (the classifier
+    # head's shape) on [max, mean] of the fused res5 features ũ_m, so the detector has a reason
+    # to read its second view through the LCM (modeling/rcnn.py; RESULTS §29). The head starts
+    # as the stage-1 classifier's where that head reads the same summary (CLS_HEAD_READS_AUX
+    # False, or a single-view classifier). 0 = off, the paper
+    b.DET_IMAGE_LOSS_WEIGHT = 0.0
     # Global consistency module (classifier only)
     b.GCM = CN()
     b.GCM.ENABLED = True
@@ -229,6 +235,10 @@ def _add_test_config(cfg):
     # each box's score × the top score of its paired view (exam_scores.paired_view_rescore), in
     # evaluation and inference alike; off as the paper scores (docs/RESULTS.md §26-27)
     t.PAIRED_VIEW_RESCORE = False
+    # each box's score × the detector's own image probability (the DET_IMAGE_LOSS_WEIGHT head),
+    # in evaluation and inference alike; the SSL teacher's pseudo-labels read the unscaled
+    # scores. Off: not in the paper
+    t.IMAGE_SCORE_GATE = False
 
 
 # detectron2 keys our data path and trainers do not implement, each with its neutral value (the

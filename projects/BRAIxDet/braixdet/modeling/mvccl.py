@@ -16,7 +16,18 @@ from .backbone import (
 )
 from .gcm import GlobalConsistencyModule
 
-__all__ = ["MVCCLClassifier"]
+__all__ = ["MVCCLClassifier", "build_image_head"]
+
+
+def build_image_head(cfg, in_dim: int) -> nn.Module:
+    """The malignancy head: a view summary of ``in_dim`` -> one logit. The classifier's head,
+    and the detector's image head (MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT), which starts from it
+    where the input is the same."""
+    b = cfg.MODEL.BRAIXDET
+    return nn.Sequential(
+        nn.Linear(in_dim, b.CLS_HIDDEN_DIM), nn.ReLU(inplace=True),
+        nn.Dropout(b.CLS_DROPOUT), nn.Linear(b.CLS_HIDDEN_DIM, 1),
+    )
 
 
 @META_ARCH_REGISTRY.register()
@@ -58,10 +69,7 @@ class MVCCLClassifier(nn.Module):
         gcm = GlobalConsistencyModule(c) if multi_view and b.GCM.ENABLED else None
         # config/checks.py: CLS_HEAD_READS_AUX False only multi-view, LCM on, GCM off
         in_dim = 3 * c if multi_view and b.CLS_HEAD_READS_AUX else 2 * c
-        head = nn.Sequential(
-            nn.Linear(in_dim, b.CLS_HIDDEN_DIM), nn.ReLU(inplace=True),
-            nn.Dropout(b.CLS_DROPOUT), nn.Linear(b.CLS_HIDDEN_DIM, 1),
-        )
+        head = build_image_head(cfg, in_dim)
         return {
             "bottom_up": bottom_up, "gcm": gcm, "head": head,
             "pixel_mean": cfg.MODEL.PIXEL_MEAN, "pixel_std": cfg.MODEL.PIXEL_STD,

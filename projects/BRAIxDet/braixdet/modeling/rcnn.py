@@ -13,6 +13,8 @@ from detectron2.utils.file_io import PathManager
 
 from ..utils.checkpoint import safe_torch_load
 from ..utils.modules import unwrap
+from .backbone import FUSE_FEATURE, max_mean_pool
+from .mvccl import build_image_head
 
 __all__ = [
     "MultiViewRCNN",
@@ -58,15 +60,61 @@ class MultiViewRCNN(GeneralizedRCNN):
     """
 
     @configurable
-    def __init__(self, *, multi_view: bool = True, **kwargs):
+    def __init__(self, *, multi_view: bool = True, image_head: Optional[torch.nn.Module] = None,
+                 image_loss_weight: float = 0.0, image_score_gate: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.multi_view = multi_view
+        # MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT: an image-level loss whose only way to the
+        # second view is the LCM's fused res5, a reason for the detector to read that view
+        self.image_head = image_head
+        self.image_loss_weight = image_loss_weight
+        self.image_score_gate = image_score_gate
 
     @classmethod
     def from_config(cls, cfg):
         ret = super().from_config(cfg)
-        ret["multi_view"] = bool(cfg.MODEL.BRAIXDET.MULTI_VIEW)
+        b = cfg.MODEL.BRAIXDET
+        ret["multi_view"] = bool(b.MULTI_VIEW)
+        if b.DET_IMAGE_LOSS_WEIGHT > 0:  # config/checks.py: the braixdet FPN backbone
+            c = ret["backbone"].bottom_up.output_shape()[FUSE_FEATURE].channels
+            ret["image_head"] = build_image_head(cfg, 2 * c)
+            ret["image_loss_weight"] = float(b.DET_IMAGE_LOSS_WEIGHT)
+            ret["image_score_gate"] = bool(cfg.TEST.BRAIXDET.IMAGE_SCORE_GATE)
         return ret
+
+    def image_logits(self, bottom_up_features: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) malignancy logits from [max, mean] of the fused res5 (ũ_m; u_m single-view)."""
+        return self.image_head(max_mean_pool(bottom_up_features[FUSE_FEATURE])).squeeze(1)
+
+    def forward(self, batched_inputs: List[Dict]):
+        if not self.training or self.image_head is None:
+            return super().forward(batched_inputs)
+        # GeneralizedRCNN.forward's steps, with the bottom-up features kept for the image head
+        images = self.preprocess_image(batched_inputs)
+        gt_instances = ([x["instances"].to(self.device) for x in batched_inputs]
+                        if "instances" in batched_inputs[0] else None)
+        bottom = self.backbone.bottom_up(images.tensor)
+        features = self.backbone(bottom)  # the FPN passes a dict through its bottom-up
+        proposals, proposal_losses = self.proposal_generator(images, features, gt_instances)
+        _, detector_losses = self.roi_heads(images, features, proposals, gt_instances)
+        if self.vis_period > 0:
+            from detectron2.utils.events import get_event_storage
+
+            if get_event_storage().iter % self.vis_period == 0:
+                self.visualize_training(batched_inputs, proposals)
+        labels = torch.tensor([float(x["label"]) for x in batched_inputs], device=self.device)
+        losses = {**detector_losses, **proposal_losses}
+        losses["loss_image"] = self.image_loss_weight * \
+            torch.nn.functional.binary_cross_entropy_with_logits(
+                self.image_logits(bottom).float(), labels)
+        return losses
+
+    def _gate(self, results: List[Instances], bottom_up_features) -> List[Instances]:
+        """TEST.BRAIXDET.IMAGE_SCORE_GATE: each box's score × its image's probability."""
+        probs = torch.sigmoid(self.image_logits(bottom_up_features).float())
+        for r, p in zip(results, probs):
+            r.scores = r.scores * p.to(r.scores.dtype)
+        return results
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x.to(self.device) - self.pixel_mean) / self.pixel_std
@@ -79,7 +127,21 @@ class MultiViewRCNN(GeneralizedRCNN):
         return ImageList.from_tensors(images, self.backbone.size_divisibility)
 
     def inference(self, batched_inputs, detected_instances=None, do_postprocess=True):
-        results = super().inference(batched_inputs, detected_instances, do_postprocess=False)
+        if self.image_score_gate and do_postprocess:
+            # the scores the outputs carry; the SSL teacher (do_postprocess False) reads the
+            # detector's own
+            images = self.preprocess_image(batched_inputs)
+            bottom = self.backbone.bottom_up(images.tensor)
+            features = self.backbone(bottom)
+            if detected_instances is None:
+                proposals, _ = self.proposal_generator(images, features, None)
+                results, _ = self.roi_heads(images, features, proposals, None)
+            else:
+                detected_instances = [x.to(self.device) for x in detected_instances]
+                results = self.roi_heads.forward_with_given_boxes(features, detected_instances)
+            results = self._gate(results, bottom)
+        else:
+            results = super().inference(batched_inputs, detected_instances, do_postprocess=False)
         if not do_postprocess:
             return results
         sizes = [tuple(x["image"].shape[-2:]) for x in batched_inputs]
@@ -126,6 +188,8 @@ class MultiViewRCNN(GeneralizedRCNN):
         mains = ImageList(x.tensor[mi], [x.image_sizes[i] for i in mi.tolist()])
         proposals, _ = self.proposal_generator(mains, features, None)
         results, _ = self.roi_heads(mains, features, proposals, None)
+        if self.image_score_gate:
+            results = self._gate(results, main)
         pseudo_inputs = []
         for m, _a in pairs:
             d = {"image": images[m]}
@@ -143,16 +207,28 @@ _DROP_PREFIXES = ("bottom_up.lcm.to_aux.", "gcm.", "head.")
 def load_classifier_weights(detector, classifier_state_dict: Dict[str, torch.Tensor]) -> Dict:
     """Initialise the detector's backbone + LCM from an MVCCLClassifier state dict.
 
-    Maps classifier `bottom_up.*` -> detector `backbone.bottom_up.*` (BN buffers included);
-    drops `bottom_up.lcm.to_aux.*`, `gcm.*`, `head.*`. Returns dict(loaded, dropped, missing,
+    Maps classifier `bottom_up.*` -> detector `backbone.bottom_up.*` (BN buffers included) and
+    `head.*` -> `image_head.*` where the detector has one of the same shapes (the head reads
+    [max, mean] of ũ_m or u_m, as the detector's does); drops `bottom_up.lcm.to_aux.*`, `gcm.*`
+    and any other `head.*`. Returns dict(loaded, dropped, missing,
     mismatched): `missing` = detector `backbone.bottom_up.*` keys not initialised; `mismatched`
     = keys present in both with different shapes (not loaded).
     """
     detector = unwrap(detector)
     target = detector.state_dict()
     new, loaded, dropped, mismatched = {}, [], [], []
-    for k, v in classifier_state_dict.items():
-        k = k[len("module."):] if k.startswith("module.") else k
+    state = {(k[len("module."):] if k.startswith("module.") else k): v
+             for k, v in classifier_state_dict.items()}
+    head = {k: v for k, v in state.items() if k.startswith("head.")}
+    # the whole head or none of it: the paper's multi-view head reads 3C, not the 2C summary
+    head_fits = bool(head) and all(
+        "image_" + k in target and tuple(target["image_" + k].shape) == tuple(v.shape)
+        for k, v in head.items())
+    for k, v in state.items():
+        if k in head and head_fits:
+            new["image_" + k] = v
+            loaded.append("image_" + k)
+            continue
         if k.startswith(_DROP_PREFIXES) or not k.startswith("bottom_up."):
             dropped.append(k)
             continue
