@@ -20,6 +20,7 @@ Not part of `make bench`.
 import argparse
 import contextlib
 import copy
+import hashlib
 import math
 import os
 import random
@@ -138,12 +139,15 @@ def lcm_probe(model, loader):
     return float(np.mean(entropy)), float(np.mean(ratio))
 
 
-def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
+def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0, opts=()):
     """{variant: AP@0.2} of the exported model in ``run_dir`` on the test split, "lcm_scale":
     its lcm_cross_view_scale, and with ``probe`` > 0 "probe": lcm_probe over that many test
-    images."""
+    images. ``opts``: config overrides for the evaluation (e.g. a TEST.BRAIXDET option); its
+    outputs then go to folders of their own."""
     cfg = build_cfg(os.path.join(run_dir, "config.yaml"),
-                    ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", "NUM_THREADS", str(threads)])
+                    ["MODEL.BRAIXDET.INIT_FROM_CLASSIFIER", "", "NUM_THREADS", str(threads),
+                     *opts])
+    suffix = ("_" + hashlib.sha1(" ".join(opts).encode()).hexdigest()[:8]) if opts else ""
     cfg = resolve_cfg(cfg)
     torch.set_num_threads(threads)
     trainer = trainer_class(cfg)
@@ -156,7 +160,7 @@ def evaluate(run_dir, variants=VARIANTS, threads=1, probe=0):
     result = {"lcm_scale": lcm_cross_view_scale(
         model.state_dict(), cfg.MODEL.BRAIXDET.LCM.CROSS_VIEW_INIT_GAIN)}
     for v in variants:
-        folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_"), test)
+        folder = os.path.join(run_dir, "inference", "aux_" + v.replace(" ", "_") + suffix, test)
         with lcm_cross_view_off(model) if v == LCM_OFF else contextlib.nullcontext():
             res = inference_on_dataset(
                 model, build_multiview_test_loader(cfg, swap_aux(dicts, v)),
@@ -181,11 +185,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--probe", type=int, default=0,
                     help="also lcm_probe on this many test images (attention, cross-view share)")
+    ap.add_argument("--opts", nargs="+", default=[],
+                    help="config overrides for every evaluation, KEY VALUE ... (e.g. "
+                         "TEST.BRAIXDET.IMAGE_SCORE_GATE True)")
     a = ap.parse_args(argv)
     seeds = sorted(int(n[1:]) for n in os.listdir(a.runs) if n[1:].isdigit() and n[0] == "s")
     per_row, lines = {}, []
     for row in a.rows:
-        ap_ = {s: evaluate(os.path.join(a.runs, f"s{s}", row), threads=a.threads, probe=a.probe)
+        ap_ = {s: evaluate(os.path.join(a.runs, f"s{s}", row), threads=a.threads, probe=a.probe,
+                           opts=a.opts)
                for s in seeds if os.path.exists(os.path.join(a.runs, f"s{s}", row,
                                                              "model_export.pth"))}
         done = sorted(ap_)
@@ -214,8 +222,8 @@ def main(argv=None):
     text = "\n".join(lines)
     os.makedirs(a.out, exist_ok=True)
     atomic_write_text(os.path.join(a.out, "aux_view.md"), text + "\n")
-    atomic_write_json(os.path.join(a.out, "aux_view.json"), {"runs": a.runs, "rows": per_row},
-                      indent=1)
+    atomic_write_json(os.path.join(a.out, "aux_view.json"),
+                      {"runs": a.runs, "opts": a.opts, "rows": per_row}, indent=1)
     print("\n" + text)
 
 
