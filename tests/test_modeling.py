@@ -603,3 +603,22 @@ def test_det_image_loss_refused_where_it_would_do_nothing(key, value, overrides)
         setattr(node, leaf, v)
     with pytest.raises(ConfigValueError, match=key.split(".")[-1]):
         check_config(cfg)
+
+
+def test_det_image_head_of_another_width_is_refused_not_trained_from_scratch(tmp_path):
+    """A classifier head that reads the detector's summary at another CLS_HIDDEN_DIM (the
+    demo's classifier has 128, a detector config the default 256) would load nothing and leave
+    the image head untrained; starting the detector says so in one line instead."""
+    cls, _ = build("MVCCLClassifier", seed=4, **_H_CLASSIFIER,
+                   **{"MODEL.BRAIXDET.CLS_HIDDEN_DIM": 16})
+    path = tmp_path / "classifier.pth"
+    torch.save({"model": cls.state_dict()}, path)
+    det, cfg = build(seed=6, **{"MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT": 1.0,
+                                "MODEL.BRAIXDET.INIT_FROM_CLASSIFIER": str(path)})
+    with pytest.raises(ValueError, match="image head .*CLS_HIDDEN_DIM to the classifier's"):
+        load_classifier_weights_from_cfg(det, cfg)
+    cfg.MODEL.BRAIXDET.CLS_HIDDEN_DIM = 16
+    det = build_model(cfg)
+    report = load_classifier_weights_from_cfg(det, cfg)
+    assert "image_head.0.weight" in report["loaded"]
+    assert torch.equal(det.image_head[0].weight, cls.head[0].weight)

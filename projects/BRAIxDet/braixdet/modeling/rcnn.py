@@ -210,9 +210,10 @@ def load_classifier_weights(detector, classifier_state_dict: Dict[str, torch.Ten
     Maps classifier `bottom_up.*` -> detector `backbone.bottom_up.*` (BN buffers included) and
     `head.*` -> `image_head.*` where the detector has one of the same shapes (the head reads
     [max, mean] of ũ_m or u_m, as the detector's does); drops `bottom_up.lcm.to_aux.*`, `gcm.*`
-    and any other `head.*`. Returns dict(loaded, dropped, missing,
-    mismatched): `missing` = detector `backbone.bottom_up.*` keys not initialised; `mismatched`
-    = keys present in both with different shapes (not loaded).
+    and any other `head.*` (the paper's multi-view head reads another input). Returns
+    dict(loaded, dropped, missing, mismatched): `missing` = detector `backbone.bottom_up.*` keys
+    not initialised; `mismatched` = keys present in both with different shapes (not loaded),
+    and the image head's where it reads the same input at another hidden width.
     """
     detector = unwrap(detector)
     target = detector.state_dict()
@@ -224,6 +225,12 @@ def load_classifier_weights(detector, classifier_state_dict: Dict[str, torch.Ten
     head_fits = bool(head) and all(
         "image_" + k in target and tuple(target["image_" + k].shape) == tuple(v.shape)
         for k, v in head.items())
+    first = "head.0.weight"
+    if not head_fits and first in head and "image_" + first in target \
+            and head[first].shape[1] == target["image_" + first].shape[1]:
+        # the same summary read by a head of another width: loading nothing would train the
+        # image head from scratch where the user asked for the classifier's
+        mismatched += sorted("image_" + k for k in head)
     for k, v in state.items():
         if k in head and head_fits:
             new["image_" + k] = v
@@ -263,7 +270,10 @@ def load_classifier_weights_from_cfg(detector, cfg) -> Optional[Dict]:
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else ckpt
     report = load_classifier_weights(detector, state)
     if report["mismatched"]:
-        raise ValueError(f"{path}: shape mismatch for {report['mismatched'][:5]} ...")
+        hint = (" (the image head of MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT: set "
+                "MODEL.BRAIXDET.CLS_HIDDEN_DIM to the classifier's)"
+                if any(k.startswith("image_head.") for k in report["mismatched"]) else "")
+        raise ValueError(f"{path}: shape mismatch for {report['mismatched'][:5]} ...{hint}")
     logger.info(
         "Initialised detector from classifier %s: %d tensors loaded, %d dropped, %d missing",
         path, len(report["loaded"]), len(report["dropped"]), len(report["missing"]),
