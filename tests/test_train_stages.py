@@ -421,3 +421,33 @@ def test_run_reproduced_from_its_own_config_yaml(work):
         assert yaml.safe_load(f) == dict(written, OUTPUT_DIR=str(again))
     assert_state_equal(load_ckpt(first / "model_final.pth")["model"],
                        load_ckpt(again / "model_final.pth")["model"], "weights")
+
+
+def test_stage2_ssl_image_loss_on_boxed_and_weak_images(work, stage1, ssl_run):
+    """MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT in the BRAIxDet SSL step: the detector's image loss
+    trains on the boxed images and, weighted by λ like every weak term, on D_w's, whose image
+    labels the paper trains on. The paper's classifier head reads another input (3C), so the
+    image head starts fresh and nothing is refused."""
+    opts = _opts(work, work.dir / "ssl_image_loss", "braixdet", max_iter=2, init_from=stage1.ckpt,
+                 cam_json=ssl_run.cam, cam_iters=1,
+                 extra=["TEST.BRAIXDET.EVAL_STUDENT", "False",
+                        "MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", "0.5"])
+    t = build_trainer("braixdet", opts)
+    head = {k: v.clone() for k, v in unwrap(t.model).image_head.state_dict().items()}
+
+    class Losses(HookBase):
+        seen = []
+
+        def after_step(self):
+            latest = self.trainer.storage.latest()
+            self.seen.append({k: latest[k][0] for k in ("loss_image", "weak_loss_image")
+                              if k in latest})
+
+    t.register_hooks([Losses()])
+    t.train()
+    assert len(Losses.seen) == 2
+    for s in Losses.seen:
+        assert set(s) == {"loss_image", "weak_loss_image"}
+        assert all(math.isfinite(v) and v > 0 for v in s.values())
+    after = unwrap(t.model).image_head.state_dict()
+    assert any(not torch.equal(after[k], head[k]) for k in head)  # trained
