@@ -9,6 +9,7 @@ from detectron2.modeling import META_ARCH_REGISTRY, ROI_HEADS_REGISTRY, Generali
 from detectron2.modeling.postprocessing import detector_postprocess
 from detectron2.modeling.roi_heads import FastRCNNOutputLayers, StandardROIHeads
 from detectron2.structures import Boxes, ImageList, Instances
+from detectron2.utils.events import get_event_storage
 from detectron2.utils.file_io import PathManager
 
 from ..utils.checkpoint import safe_torch_load
@@ -97,11 +98,8 @@ class MultiViewRCNN(GeneralizedRCNN):
         features = self.backbone(bottom)  # the FPN passes a dict through its bottom-up
         proposals, proposal_losses = self.proposal_generator(images, features, gt_instances)
         _, detector_losses = self.roi_heads(images, features, proposals, gt_instances)
-        if self.vis_period > 0:
-            from detectron2.utils.events import get_event_storage
-
-            if get_event_storage().iter % self.vis_period == 0:
-                self.visualize_training(batched_inputs, proposals)
+        if self.vis_period > 0 and get_event_storage().iter % self.vis_period == 0:
+            self.visualize_training(batched_inputs, proposals)
         labels = torch.tensor([float(x["label"]) for x in batched_inputs], device=self.device)
         losses = {**detector_losses, **proposal_losses}
         losses["loss_image"] = self.image_loss_weight * \
