@@ -67,8 +67,8 @@ def calibrate_bn(model, inputs):
     return model
 
 
-def build(meta="MultiViewRCNN", multi_view=True, seed=0, **overrides):
-    torch.manual_seed(seed)
+def configured(meta="MultiViewRCNN", multi_view=True, **overrides):
+    """tiny_cfg with full-key overrides such as **{"MODEL.BRAIXDET.MULTI_VIEW": False}."""
     cfg = tiny_cfg(meta, multi_view=multi_view)
     for k, v in overrides.items():
         node = cfg
@@ -76,6 +76,12 @@ def build(meta="MultiViewRCNN", multi_view=True, seed=0, **overrides):
         for p in parents:
             node = getattr(node, p)
         setattr(node, leaf, v)
+    return cfg
+
+
+def build(meta="MultiViewRCNN", multi_view=True, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = configured(meta, multi_view, **overrides)
     return build_model(cfg), cfg
 
 
@@ -593,14 +599,7 @@ def test_image_score_gate_scales_each_box_by_its_images_probability():
 def test_det_image_loss_refused_where_it_would_do_nothing(key, value, overrides):
     from braixdet.config import ConfigValueError, check_config
 
-    overrides = dict(overrides)
-    cfg = tiny_cfg(overrides.pop("meta", "MultiViewRCNN"))
-    for k, v in {key: value, **overrides}.items():
-        node = cfg
-        *parents, leaf = k.split(".")
-        for p in parents:
-            node = getattr(node, p)
-        setattr(node, leaf, v)
+    cfg = configured(**{key: value, **overrides})
     with pytest.raises(ConfigValueError, match=key.split(".")[-1]):
         check_config(cfg)
 

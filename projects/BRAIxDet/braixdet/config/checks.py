@@ -157,11 +157,15 @@ def _check_cls_head_reads_aux(cfg):
             "GCM.ENABLED False (its global feature reads the aux view)"))
 
 
+def _braixdet_detector(cfg):
+    """MultiViewRCNN on the two-view FPN: the model whose builder reads the DET_* options."""
+    return (cfg.MODEL.META_ARCHITECTURE == "MultiViewRCNN"
+            and cfg.MODEL.BACKBONE.NAME == "build_braixdet_fpn_backbone")
+
+
 def _check_det_reads_aux_global(cfg):
     b = cfg.MODEL.BRAIXDET
-    if b.DET_READS_AUX_GLOBAL and not (
-            b.MULTI_VIEW and cfg.MODEL.META_ARCHITECTURE == "MultiViewRCNN"
-            and cfg.MODEL.BACKBONE.NAME == "build_braixdet_fpn_backbone"):
+    if b.DET_READS_AUX_GLOBAL and not (b.MULTI_VIEW and _braixdet_detector(cfg)):
         raise ConfigValueError("MODEL.BRAIXDET.DET_READS_AUX_GLOBAL", True, (
             "False unless the model is a multi-view detector (MultiViewRCNN, MULTI_VIEW, "
             "MODEL.BACKBONE.NAME build_braixdet_fpn_backbone)"))
@@ -169,8 +173,7 @@ def _check_det_reads_aux_global(cfg):
 
 def _check_det_image_loss(cfg):
     b = cfg.MODEL.BRAIXDET
-    detector = (cfg.MODEL.META_ARCHITECTURE == "MultiViewRCNN"
-                and cfg.MODEL.BACKBONE.NAME == "build_braixdet_fpn_backbone")
+    detector = _braixdet_detector(cfg)
     if b.DET_IMAGE_LOSS_WEIGHT > 0 and not detector:
         raise ConfigValueError("MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT", b.DET_IMAGE_LOSS_WEIGHT, (
             "0 unless the model is a detector (MultiViewRCNN with MODEL.BACKBONE.NAME "

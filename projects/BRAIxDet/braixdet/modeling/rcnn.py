@@ -83,6 +83,12 @@ class MultiViewRCNN(GeneralizedRCNN):
             ret["image_score_gate"] = bool(cfg.TEST.BRAIXDET.IMAGE_SCORE_GATE)
         return ret
 
+    def _features(self, images: ImageList):
+        """(bottom-up features, FPN features): the bottom-up's output kept for the image head;
+        the FPN passes a dict through its bottom-up, so the encoder runs once."""
+        bottom = self.backbone.bottom_up(images.tensor)
+        return bottom, self.backbone(bottom)
+
     def image_logits(self, bottom_up_features: Dict[str, torch.Tensor]) -> torch.Tensor:
         """(B,) malignancy logits from [max, mean] of the fused res5 (ũ_m; u_m single-view)."""
         return self.image_head(max_mean_pool(bottom_up_features[FUSE_FEATURE])).squeeze(1)
@@ -94,8 +100,7 @@ class MultiViewRCNN(GeneralizedRCNN):
         images = self.preprocess_image(batched_inputs)
         gt_instances = ([x["instances"].to(self.device) for x in batched_inputs]
                         if "instances" in batched_inputs[0] else None)
-        bottom = self.backbone.bottom_up(images.tensor)
-        features = self.backbone(bottom)  # the FPN passes a dict through its bottom-up
+        bottom, features = self._features(images)
         proposals, proposal_losses = self.proposal_generator(images, features, gt_instances)
         _, detector_losses = self.roi_heads(images, features, proposals, gt_instances)
         if self.vis_period > 0 and get_event_storage().iter % self.vis_period == 0:
@@ -129,8 +134,7 @@ class MultiViewRCNN(GeneralizedRCNN):
             # the scores the outputs carry; the SSL teacher (do_postprocess False) reads the
             # detector's own
             images = self.preprocess_image(batched_inputs)
-            bottom = self.backbone.bottom_up(images.tensor)
-            features = self.backbone(bottom)
+            bottom, features = self._features(images)
             if detected_instances is None:
                 proposals, _ = self.proposal_generator(images, features, None)
                 results, _ = self.roi_heads(images, features, proposals, None)
