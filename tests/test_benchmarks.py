@@ -498,6 +498,59 @@ def test_table6_record_keeps_each_stage1_classifier_of_a_seed_split_across_runs(
         pytest.approx(0.65)
 
 
+def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path, capsys,
+                                                                        load_tool):
+    """experiment_against_record.py (RESULTS §33): each seed's test AP@0.2 read from the
+    exported model's evaluation (not the training event log beside it), paired with the same
+    seed's record rows (scipy's paired t as the reference); seeds or rows the record lacks are
+    refused; NaN (one seed: no interval) is written as null."""
+    import json
+
+    import numpy as np
+    from scipy import stats
+
+    script = load_tool("experiment_against_record", folder="benchmarks")
+    floor, mv, ours = [49.0, 52.0, 47.0], [48.0, 48.5, 46.0], [51.0, 49.5, 50.0]
+    record = {"settings": {"ratio": "1/8"}, "seeds": {
+        str(s): {"results": {"Faster R-CNN": {"bbox": {"AP20": floor[s]}},
+                             "Faster R-CNN + MV": {"bbox": {"AP20": mv[s]}}}}
+        for s in range(3)}}
+    rec = tmp_path / "record.json"
+    rec.write_text(json.dumps(record))
+    runs = []
+    for s in range(3):
+        row = tmp_path / f"s{s}" / "row"
+        test = row / "inference" / "model" / "cbis_ddsm_test"
+        test.mkdir(parents=True)
+        (row / "metrics.json").write_text('{"iteration": 19, "total_loss": 1.0}\n' * 2)
+        (test / "metrics.json").write_text(json.dumps(
+            {"bbox": {"AP20": ours[s], "R@0.5": 60.0 + s}, "breast_AUC": 75.0}))
+        runs += ["--run", f"{s}={row}"]
+    out = tmp_path / "pair.json"
+    script.main(["--record", str(rec), *runs, "--against", "Faster R-CNN", "Faster R-CNN + MV",
+                 "--name", "IA", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert [s["seed"] for s in got["seeds"]] == [0, 1, 2]  # every repeated --run kept
+    assert got["seeds"][2]["IA"] == {"AP20": 50.0, "R@0.5": 62.0, "breast_AUC": 75.0}
+    e = got["effects"]["IA − Faster R-CNN"]
+    assert e["mean"] == pytest.approx(np.mean(np.subtract(ours, floor)))
+    assert e["p_t"] == pytest.approx(stats.ttest_rel(ours, floor).pvalue)
+    assert got["effects"]["IA − Faster R-CNN + MV"]["p_t"] == pytest.approx(
+        stats.ttest_rel(ours, mv).pvalue)
+    assert "| 1 | 49.5 | 52.0 | 48.5 |" in capsys.readouterr().out
+
+    script.main(["--record", str(rec), "--run", f"1={tmp_path / 's1' / 'row'}", "--out",
+                 str(out)])
+    assert json.loads(out.read_text())["effects"]["candidate − Faster R-CNN"]["ci_low"] is None
+    with pytest.raises(SystemExit, match="no seed 7"):
+        script.main(["--record", str(rec), "--run", f"7={tmp_path / 's1' / 'row'}", "--out",
+                     str(out)])
+    with pytest.raises(SystemExit, match="no row 'STAC'"):
+        script.main(["--record", str(rec), *runs, "--against", "STAC", "--out", str(out)])
+    with pytest.raises(SystemExit, match="expected SEED=FOLDER"):
+        script.main(["--record", str(rec), "--run", "s1/row", "--out", str(out)])
+
+
 def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):
     """experiment_mv_cost.py (RESULTS §15): effects paired by seed from the 2×2 grid's rows,
     and the verdict of the criteria written before the runs, at their edges."""
