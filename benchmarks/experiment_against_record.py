@@ -44,7 +44,11 @@ def parse_runs(items):
 def candidate_metrics(folder):
     """The KEPT metrics of the test evaluation of the model ``folder`` exported (its training
     metrics.json, detectron2's event log, sits above it)."""
-    m = read_metrics(os.path.join(folder, "inference", "model"))
+    try:
+        m = read_metrics(os.path.join(folder, "inference", "model"))
+    except FileNotFoundError:
+        raise SystemExit(f"error: {folder}: no test evaluation of its exported model "
+                         "(inference/model/<test>/metrics.json); has the row finished?") from None
     flat = {**m, **m.get("bbox", {})}
     return {k: float(flat[k]) for k in KEPT if flat.get(k) is not None}
 

@@ -547,6 +547,8 @@ def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path
                      str(out)])
     with pytest.raises(SystemExit, match="no row 'STAC'"):
         script.main(["--record", str(rec), *runs, "--against", "STAC", "--out", str(out)])
+    with pytest.raises(SystemExit, match="no test evaluation of its exported model"):
+        script.main(["--record", str(rec), "--run", f"1={tmp_path / 's1'}", "--out", str(out)])
     with pytest.raises(SystemExit, match="expected SEED=FOLDER"):
         script.main(["--record", str(rec), "--run", "s1/row", "--out", str(out)])
 
