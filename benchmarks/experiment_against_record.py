@@ -18,11 +18,10 @@ not be the one asked for. Not part of `make bench`.
 """
 import argparse
 import json
-import math
 import os
 
 from braixdet.pipeline.results import fmt_cell, fmt_effect, paired_effect, read_metrics, row_metric
-from braixdet.utils.io import atomic_write_json
+from braixdet.utils.io import atomic_write_json, nan_to_none
 
 # the candidate's metrics kept per seed (the evaluator's names), beside AP@0.2
 KEPT = ("AP20", "R@0.5", "breast_AUC")
@@ -50,7 +49,25 @@ def candidate_metrics(folder):
         raise SystemExit(f"error: {folder}: no test evaluation of its exported model "
                          "(inference/model/<test>/metrics.json); has the row finished?") from None
     flat = {**m, **m.get("bbox", {})}
+    if flat.get("AP20") is None:  # null: a test split without lesions
+        raise SystemExit(f"error: {folder}: its test evaluation has no AP@0.2")
     return {k: float(flat[k]) for k in KEPT if flat.get(k) is not None}
+
+
+def load_record(path):
+    """experiment_table6.py's record at ``path``; a missing or foreign file is a one-line
+    error."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"error: --record {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise SystemExit(f"error: --record {path}: not JSON ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("seeds"), dict):
+        raise SystemExit(f"error: --record {path}: not a record of experiment_table6.py "
+                         "(no 'seeds')")
+    return record
 
 
 def pair(record, runs, against, name):
@@ -88,14 +105,6 @@ def report(result, name, against):
     return lines
 
 
-def _nan_to_null(obj):
-    if isinstance(obj, dict):
-        return {k: _nan_to_null(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_nan_to_null(v) for v in obj]
-    return None if isinstance(obj, float) and math.isnan(obj) else obj
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", required=True, help="experiment_table6.py --record's JSON")
@@ -106,14 +115,13 @@ def main(argv=None):
     ap.add_argument("--name", default="candidate", help="the candidate's name in the outputs")
     ap.add_argument("--out", required=True, help="JSON file to write")
     a = ap.parse_args(argv)
-    with open(a.record) as f:
-        record = json.load(f)
+    record = load_record(a.record)
     runs = parse_runs(a.run)
     result = pair(record, runs, a.against, a.name)
     result = {"record": os.path.basename(a.record), "settings": record.get("settings"),
               "name": a.name, "runs": {str(k): v for k, v in runs.items()},
               **result}
-    atomic_write_json(a.out, _nan_to_null(result), indent=1)
+    atomic_write_json(a.out, nan_to_none(result), indent=1)
     print("\n".join(report(result, a.name, a.against)))
 
 

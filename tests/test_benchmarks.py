@@ -551,6 +551,9 @@ def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path
         script.main(["--record", str(rec), "--run", f"1={tmp_path / 's1'}", "--out", str(out)])
     with pytest.raises(SystemExit, match="expected SEED=FOLDER"):
         script.main(["--record", str(rec), "--run", "s1/row", "--out", str(out)])
+    for bad, why in [(tmp_path / "none.json", "No such file"), (out, "no 'seeds'")]:
+        with pytest.raises(SystemExit, match=f"--record {bad}: .*{why}"):
+            script.main(["--record", str(bad), *runs, "--out", str(tmp_path / "x.json")])
 
 
 def test_mv_cost_effects_and_verdict_follow_the_written_criteria(capsys, load_tool):

@@ -13,6 +13,7 @@ from detectron2.utils import comm
 from detectron2.utils.file_io import PathManager
 from detectron2.utils.logger import create_small_table
 
+from ..utils.io import nan_to_none
 from .classification_evaluator import ClassificationEvaluator
 from .exam_scores import breast_exam_auc, image_score, paired_view_rescore
 from .metrics import average_precision, froc
@@ -215,7 +216,7 @@ class MammoDetectionEvaluator(DatasetEvaluator):
             "num_lesions": curve["num_lesions"],
             "num_detections": curve["num_detections"],
         }
-        self._write_json("metrics.json", _nan_to_none(meta))
+        self._write_json("metrics.json", nan_to_none(meta))
 
         with PathManager.open(os.path.join(self._output_dir, "froc.csv"), "w") as f:
             w = csv.writer(f)
@@ -259,17 +260,6 @@ class MammoDetectionEvaluator(DatasetEvaluator):
         with PathManager.open(path, "w") as f:
             json.dump(obj, f)
         logger.info(f"wrote {path}")
-
-
-def _nan_to_none(obj):
-    """Strict JSON: NaN (e.g. AP without any lesion) is written as null."""
-    if isinstance(obj, dict):
-        return {k: _nan_to_none(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_nan_to_none(v) for v in obj]
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    return obj
 
 
 def plot_froc(curve, out_png, title="FROC", mark=0.5):

@@ -17,6 +17,7 @@ writers) will open without O_NOFOLLOW.
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -24,7 +25,8 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 __all__ = ["OutputPathRefused", "OutputWriteError", "atomic_write", "atomic_write_bytes",
-           "atomic_write_json", "fsync_dir", "open_no_follow", "refuse_link", "refuse_links"]
+           "atomic_write_json", "fsync_dir", "nan_to_none", "open_no_follow", "refuse_link",
+           "refuse_links"]
 
 
 class OutputPathRefused(ValueError):
@@ -204,3 +206,15 @@ def atomic_write_text(path, text: str, **kwargs):
 
 def atomic_write_json(path, obj, indent=None, **kwargs):
     atomic_write_text(path, json.dumps(obj, indent=indent), **kwargs)
+
+
+def nan_to_none(obj):
+    """``obj`` with every non-finite float (e.g. AP without any lesion, an interval from one
+    seed) as None, so that json writes strict JSON (null), which every reader parses."""
+    if isinstance(obj, dict):
+        return {k: nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [nan_to_none(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
