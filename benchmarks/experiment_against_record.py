@@ -10,11 +10,11 @@ docs/RESULTS.md §33. A candidate (an option under test, e.g.
 MODEL.BRAIXDET.DET_IMAGE_LOSS_WEIGHT) is trained per seed on the record's data and split, in
 whatever run it took (``--run SEED=FOLDER``, repeatable: the row's training folder, whose
 exported model's test evaluation inference/model/<test>/metrics.json is read); each seed's test
-AP@0.2 is paired with the record's rows of the same seed (experiment_table6.py --record's JSON),
-as results.paired_effect: mean, 95% t interval, paired t and Wilcoxon p. Writes --out (JSON; NaN
-as null) and prints the per-seed table and the effects. A seed the record lacks, or a record row
-missing on one of the seeds, is refused: a pairing over other seeds than the ones named would
-not be the one asked for. Not part of `make bench`.
+AP@0.2 is paired with the record's rows of the same seed (experiment_table6.py --record's JSON,
+or a run's <out>/table6.json), as results.paired_effect: mean, 95% t interval, paired t and
+Wilcoxon p. Writes --out (JSON; NaN as null) and prints the per-seed table and the effects. A
+seed the record lacks, or a record row missing on one of the seeds, is refused: a pairing over
+other seeds than the ones named would not be the one asked for. Not part of `make bench`.
 """
 import argparse
 import json
@@ -55,8 +55,8 @@ def candidate_metrics(folder):
 
 
 def load_record(path):
-    """experiment_table6.py's record at ``path``; a missing or foreign file is a one-line
-    error."""
+    """experiment_table6.py's record at ``path`` (its --record, or a run's table6.json); a
+    missing or foreign file is a one-line error."""
     try:
         with open(path) as f:
             record = json.load(f)
@@ -64,6 +64,11 @@ def load_record(path):
         raise SystemExit(f"error: --record {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise SystemExit(f"error: --record {path}: not JSON ({e})") from None
+    if isinstance(record, dict) and isinstance(record.get("per_seed"), list):
+        # a run's <out>/table6.json: its seeds and their rows side by side, as a record holds them
+        return {"settings": record.get("regime"),
+                "seeds": {str(seed): {"results": results}
+                          for seed, results in zip(record["seeds"], record["per_seed"])}}
     if not isinstance(record, dict) or not isinstance(record.get("seeds"), dict):
         raise SystemExit(f"error: --record {path}: not a record of experiment_table6.py "
                          "(no 'seeds')")
@@ -107,7 +112,8 @@ def report(result, name, against):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--record", required=True, help="experiment_table6.py --record's JSON")
+    ap.add_argument("--record", required=True,
+                    help="experiment_table6.py's --record JSON, or a run's <out>/table6.json")
     ap.add_argument("--run", nargs="+", action="extend", required=True, metavar="SEED=FOLDER",
                     help="the candidate's training folder per seed")
     ap.add_argument("--against", nargs="+", default=["Faster R-CNN"],

@@ -551,6 +551,13 @@ def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path
         script.main(["--record", str(rec), "--run", f"1={tmp_path / 's1'}", "--out", str(out)])
     with pytest.raises(SystemExit, match="expected SEED=FOLDER"):
         script.main(["--record", str(rec), "--run", "s1/row", "--out", str(out)])
+    # a run's table6.json holds the same rows as a list over its seeds
+    run_table = tmp_path / "table6.json"
+    run_table.write_text(json.dumps({"seeds": [2, 0], "per_seed": [
+        record["seeds"][str(s)]["results"] for s in (2, 0)]}))
+    script.main(["--record", str(run_table), *runs[:2], *runs[4:], "--out", str(out)])
+    assert json.loads(out.read_text())["effects"]["candidate − Faster R-CNN"]["mean"] == \
+        pytest.approx((ours[0] - floor[0] + ours[2] - floor[2]) / 2)
     for bad, why in [(tmp_path / "none.json", "No such file"), (out, "no 'seeds'")]:
         with pytest.raises(SystemExit, match=f"--record {bad}: .*{why}"):
             script.main(["--record", str(bad), *runs, "--out", str(tmp_path / "x.json")])
