@@ -12,7 +12,8 @@ whatever run it took (``--run SEED=FOLDER``, repeatable: the row's training fold
 exported model's test evaluation inference/model/<test>/metrics.json is read); each seed's test
 AP@0.2 is paired with the record's rows of the same seed (experiment_table6.py --record's JSON,
 or a run's <out>/table6.json), as results.paired_effect: mean, 95% t interval, paired t and
-Wilcoxon p. Writes --out (JSON; NaN as null) and prints the per-seed table and the effects. A
+Wilcoxon p. Writes --out (JSON; NaN as null) and prints the per-seed table (rows: the
+candidate and the record's rows, results.seed_table) and the effects. A
 seed the record lacks, or a record row missing on one of the seeds, is refused: a pairing over
 other seeds than the ones named would not be the one asked for. Not part of `make bench`.
 """
@@ -20,7 +21,14 @@ import argparse
 import json
 import os
 
-from braixdet.pipeline.results import fmt_cell, fmt_effect, paired_effect, read_metrics, row_metric
+from braixdet.pipeline.results import (
+    fmt_cell,
+    fmt_effect,
+    paired_effect,
+    read_metrics,
+    row_metric,
+    seed_table,
+)
 from braixdet.utils.io import atomic_write_json, nan_to_none
 
 # the candidate's metrics kept per seed (the evaluator's names), beside AP@0.2
@@ -96,14 +104,14 @@ def pair(record, runs, against, name):
 
 
 def report(result, name, against):
-    """Markdown lines: AP@0.2 per seed, then each effect paired by seed."""
-    lines = [f"| seed | {name} | " + " | ".join(against) + " |",
-             "|---|---|" + "---|" * len(against)]
-    for s in result["seeds"]:
-        lines.append(f"| {s['seed']} | {fmt_cell(s[name]['AP20'], '.1f')} | " +
-                     " | ".join(fmt_cell(s["record"][row], ".1f") for row in against) + " |")
-    lines += ["", "| effect | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
-              "|---|---|---|---|---|"]
+    """Markdown lines: AP@0.2 per seed (the candidate, then each record row), then each
+    effect paired by seed."""
+    seeds = [s["seed"] for s in result["seeds"]]
+    values = {name: [s[name]["AP20"] for s in result["seeds"]],
+              **{row: [s["record"][row] for s in result["seeds"]] for row in against}}
+    lines = [*seed_table("AP@0.2", values, seeds),
+             "", "| effect | seeds | mean [95% CI] | paired t p | Wilcoxon p |",
+             "|---|---|---|---|---|"]
     for k, e in result["effects"].items():
         lines.append(f"| {k} | {e['n']} | {fmt_effect(e)} | {fmt_cell(e['p_t'], '.4f')} | "
                      f"{fmt_cell(e['p_wilcoxon'], '.4f')} |")

@@ -537,7 +537,10 @@ def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path
     assert e["p_t"] == pytest.approx(stats.ttest_rel(ours, floor).pvalue)
     assert got["effects"]["IA − Faster R-CNN + MV"]["p_t"] == pytest.approx(
         stats.ttest_rel(ours, mv).pvalue)
-    assert "| 1 | 49.5 | 52.0 | 48.5 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out  # rows: the candidate and each record row, by seed
+    assert "| AP@0.2 | seed 0 | seed 1 | seed 2 | mean |" in printed
+    assert "| IA | 51.0 | 49.5 | 50.0 | 50.2 |" in printed
+    assert "| Faster R-CNN + MV | 48.0 | 48.5 | 46.0 | 47.5 |" in printed
 
     script.main(["--record", str(rec), "--run", f"1={tmp_path / 's1' / 'row'}", "--out",
                  str(out)])

@@ -238,12 +238,13 @@ def fmt_effect(e, spec="+.1f"):
 
 def seed_table(header, values, seeds):
     """Markdown lines: one line per entry of ``values`` {name: [value per seed]}, its values
-    (one decimal) under ``seeds`` and their mean; ``header`` names the first column."""
+    (one decimal; "—" for a missing one) under ``seeds`` and their mean; ``header`` names the
+    first column."""
     lines = [f"| {header} | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
              "|---|" + "---|" * (len(seeds) + 1)]
     for name, vals in values.items():
-        lines.append(f"| {name} | " + " | ".join(f"{x:.1f}" for x in vals)
-                     + f" | {np.mean(vals):.1f} |")
+        lines.append(f"| {name} | " + " | ".join(fmt_cell(x, ".1f") for x in vals)
+                     + f" | {fmt_cell(float(np.mean(vals)), '.1f')} |")
     return lines
 
 
