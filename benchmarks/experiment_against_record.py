@@ -13,9 +13,12 @@ exported model's test evaluation inference/model/<test>/metrics.json is read); e
 AP@0.2 is paired with the record's rows of the same seed (experiment_table6.py --record's JSON,
 or a run's <out>/table6.json), as results.paired_effect: mean, 95% t interval, paired t and
 Wilcoxon p. Writes --out (JSON; NaN as null) and prints the per-seed table (rows: the
-candidate and the record's rows, results.seed_table) and the effects. A
-seed the record lacks, or a record row missing on one of the seeds, is refused: a pairing over
-other seeds than the ones named would not be the one asked for. Not part of `make bench`.
+candidate and the record's rows, results.seed_table) and the effects. Several --record files
+pair as one (seeds trained in separate runs); --candidate JSON takes the candidate's per-seed
+metrics from an earlier --out instead of training folders, e.g. to pair it with floors trained
+later. A seed the record lacks, a record row missing on one of the seeds, or a seed in two
+records is refused: a pairing over other seeds or rows than the ones named would not be the one
+asked for. Not part of `make bench`.
 """
 import argparse
 import json
@@ -83,11 +86,44 @@ def load_record(path):
     return record
 
 
-def pair(record, runs, against, name):
+def load_records(paths):
+    """The records at ``paths`` as one: seeds trained in separate runs (another --out, another
+    session) side by side; a seed held by two of them is refused (which one would be read?)."""
+    merged, source = {"settings": None, "seeds": {}}, {}
+    for path in paths:
+        record = load_record(path)
+        merged["settings"] = merged["settings"] or record.get("settings")
+        for seed, entry in record["seeds"].items():
+            if seed in source:
+                raise SystemExit(f"error: --record: seed {seed} is in both {source[seed]} "
+                                 f"and {path}")
+            source[seed] = path
+            merged["seeds"][seed] = entry
+    return merged
+
+
+def load_candidate(path):
+    """(name, {seed: metrics}, {seed: folder}) from an earlier output of this script: a
+    candidate whose training folders are gone, paired again with other rows."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        name = earlier["name"]
+        metrics = {int(s["seed"]): s[name] for s in earlier["seeds"]}
+    except OSError as e:
+        raise SystemExit(f"error: --candidate {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"error: --candidate {path}: not an output of "
+                         "experiment_against_record.py") from None
+    return name, dict(sorted(metrics.items())), earlier.get("runs", {})
+
+
+def pair(record, candidate, against, name):
     """{"seeds": [per seed: the candidate's metrics and the record rows' AP@0.2], "effects":
-    {"<name> − <row>": paired_effect}}; refuses seeds or rows the record lacks."""
+    {"<name> − <row>": paired_effect}}; ``candidate`` is {seed: its KEPT metrics}. Refuses
+    seeds or rows the record lacks."""
     seeds = []
-    for seed, folder in runs.items():
+    for seed, metrics in candidate.items():
         entry = record["seeds"].get(str(seed))
         if entry is None:
             raise SystemExit(f"error: the record has no seed {seed} "
@@ -95,7 +131,7 @@ def pair(record, runs, against, name):
         missing = [row for row in against if row not in entry["results"]]
         if missing:
             raise SystemExit(f"error: the record's seed {seed} has no row {missing[0]!r}")
-        seeds.append({"seed": seed, name: candidate_metrics(folder),
+        seeds.append({"seed": seed, name: metrics,
                       "record": {row: row_metric(entry["results"][row]) for row in against}})
     ours = [s[name]["AP20"] for s in seeds]
     effects = {f"{name} − {row}": paired_effect(ours, [s["record"][row] for s in seeds])
@@ -120,23 +156,35 @@ def report(result, name, against):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--record", required=True,
-                    help="experiment_table6.py's --record JSON, or a run's <out>/table6.json")
-    ap.add_argument("--run", nargs="+", action="extend", required=True, metavar="SEED=FOLDER",
-                    help="the candidate's training folder per seed")
+    ap.add_argument("--record", required=True, nargs="+", action="extend",
+                    help="experiment_table6.py's --record JSON, or a run's <out>/table6.json; "
+                         "several: their seeds side by side")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", nargs="+", action="extend", metavar="SEED=FOLDER",
+                        help="the candidate's training folder per seed")
+    source.add_argument("--candidate", metavar="JSON",
+                        help="an earlier --out of this script: its candidate's per-seed "
+                             "metrics, paired again (with other rows or another record)")
     ap.add_argument("--against", nargs="+", default=["Faster R-CNN"],
                     help="the record's rows to pair with (their labels)")
-    ap.add_argument("--name", default="candidate", help="the candidate's name in the outputs")
+    ap.add_argument("--name", help="the candidate's name in the outputs (default: "
+                                   "'candidate', or the --candidate file's)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     a = ap.parse_args(argv)
-    record = load_record(a.record)
-    runs = parse_runs(a.run)
-    result = pair(record, runs, a.against, a.name)
-    result = {"record": os.path.basename(a.record), "settings": record.get("settings"),
-              "name": a.name, "runs": {str(k): v for k, v in runs.items()},
-              **result}
+    record = load_records(a.record)
+    if a.candidate:
+        name, candidate, runs = load_candidate(a.candidate)
+        name = a.name or name
+    else:
+        name, runs = a.name or "candidate", parse_runs(a.run)
+        candidate = {seed: candidate_metrics(folder) for seed, folder in runs.items()}
+    result = pair(record, candidate, a.against, name)
+    result = {"record": [os.path.basename(p) for p in a.record] if len(a.record) > 1
+              else os.path.basename(a.record[0]),
+              "settings": record.get("settings"), "name": name,
+              "runs": {str(k): v for k, v in runs.items()}, **result}
     atomic_write_json(a.out, nan_to_none(result), indent=1)
-    print("\n".join(report(result, a.name, a.against)))
+    print("\n".join(report(result, name, a.against)))
 
 
 if __name__ == "__main__":

@@ -561,6 +561,25 @@ def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path
     script.main(["--record", str(run_table), *runs[:2], *runs[4:], "--out", str(out)])
     assert json.loads(out.read_text())["effects"]["candidate − Faster R-CNN"]["mean"] == \
         pytest.approx((ours[0] - floor[0] + ours[2] - floor[2]) / 2)
+    # floors retrained later, in two runs (seed 0; seeds 1-2), against the candidate's earlier
+    # output (its training folders gone): the same pairing as from the folders
+    later = [47.0, 50.5, 49.0]
+    for part, seeds in (("a", [0]), ("b", [1, 2])):
+        (tmp_path / f"later_{part}.json").write_text(json.dumps({"seeds": seeds, "per_seed": [
+            {"Faster R-CNN": {"bbox": {"AP20": later[s]}}} for s in seeds]}))
+    script.main(["--record", str(rec), *runs, "--name", "IA", "--out", str(out)])
+    again = tmp_path / "again.json"
+    script.main(["--record", str(tmp_path / "later_a.json"), str(tmp_path / "later_b.json"),
+                 "--candidate", str(out), "--out", str(again)])
+    got = json.loads(again.read_text())
+    assert got["name"] == "IA" and got["seeds"][1]["IA"]["AP20"] == 49.5
+    assert got["effects"]["IA − Faster R-CNN"]["p_t"] == pytest.approx(
+        stats.ttest_rel(ours, later).pvalue)
+    with pytest.raises(SystemExit, match="seed 0 is in both"):
+        script.main(["--record", str(rec), str(tmp_path / "later_a.json"), "--candidate",
+                     str(out), "--out", str(again)])
+    with pytest.raises(SystemExit, match="not an output of experiment_against_record"):
+        script.main(["--record", str(rec), "--candidate", str(rec), "--out", str(again)])
     for bad, why in [(tmp_path / "none.json", "No such file"), (out, "no 'seeds'")]:
         with pytest.raises(SystemExit, match=f"--record {bad}: .*{why}"):
             script.main(["--record", str(bad), *runs, "--out", str(tmp_path / "x.json")])
