@@ -238,8 +238,8 @@ def fmt_effect(e, spec="+.1f"):
 
 def seed_table(header, values, seeds):
     """Markdown lines: one line per entry of ``values`` {name: [value per seed]}, its values
-    (one decimal; "—" for a missing one) under ``seeds`` and their mean; ``header`` names the
-    first column."""
+    (one decimal; "—" for a NaN one, and then for the mean) under ``seeds`` and their mean;
+    ``header`` names the first column."""
     lines = [f"| {header} | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
              "|---|" + "---|" * (len(seeds) + 1)]
     for name, vals in values.items():
