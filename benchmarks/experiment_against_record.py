@@ -133,7 +133,7 @@ def pair(record, candidate, against, name):
             raise SystemExit(f"error: the record's seed {seed} has no row {missing[0]!r}")
         seeds.append({"seed": seed, name: metrics,
                       "record": {row: row_metric(entry["results"][row]) for row in against}})
-    ours = [s[name]["AP20"] for s in seeds]
+    ours = [row_metric(s[name]) for s in seeds]
     effects = {f"{name} − {row}": paired_effect(ours, [s["record"][row] for s in seeds])
                for row in against}
     return {"seeds": seeds, "effects": effects}
@@ -143,7 +143,7 @@ def report(result, name, against):
     """Markdown lines: AP@0.2 per seed (the candidate, then each record row), then each
     effect paired by seed."""
     seeds = [s["seed"] for s in result["seeds"]]
-    values = {name: [s[name]["AP20"] for s in result["seeds"]],
+    values = {name: [row_metric(s[name]) for s in result["seeds"]],
               **{row: [s["record"][row] for s in result["seeds"]] for row in against}}
     lines = [*seed_table("AP@0.2", values, seeds),
              "", "| effect | seeds | mean [95% CI] | paired t p | Wilcoxon p |",

@@ -575,6 +575,17 @@ def test_against_record_pairs_a_candidate_with_the_records_rows_by_seed(tmp_path
     assert got["name"] == "IA" and got["seeds"][1]["IA"]["AP20"] == 49.5
     assert got["effects"]["IA − Faster R-CNN"]["p_t"] == pytest.approx(
         stats.ttest_rel(ours, later).pvalue)
+    # a record row whose AP was undefined (written as null): that seed is shown as — and left
+    # out of the pairing, not a traceback
+    (tmp_path / "later_c.json").write_text(json.dumps({"seeds": [0, 1, 2], "per_seed": [
+        {"Faster R-CNN": {"bbox": {"AP20": None if s == 1 else later[s]}}} for s in range(3)]}))
+    script.main(["--record", str(tmp_path / "later_c.json"), "--candidate", str(out), "--out",
+                 str(again)])
+    got = json.loads(again.read_text())
+    assert got["effects"]["IA − Faster R-CNN"]["n"] == 2
+    assert got["effects"]["IA − Faster R-CNN"]["mean"] == pytest.approx(
+        (ours[0] - later[0] + ours[2] - later[2]) / 2)
+    assert "| Faster R-CNN | 47.0 | — | 49.0 | — |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="seed 0 is in both"):
         script.main(["--record", str(rec), str(tmp_path / "later_a.json"), "--candidate",
                      str(out), "--out", str(again)])

@@ -511,6 +511,9 @@ def test_paired_effect_against_scipy_and_exact_cases():
     assert np.isnan(paired_effect([1.0], [0.0])["ci_low"])  # one seed: no interval, no test
     assert np.isnan(paired_effect([1.0, 2.0], [1.0, 2.0])["p_wilcoxon"])  # no difference
     assert e["sd"] == pytest.approx(np.std(d, ddof=1))
+    # a seed undefined on either side (NaN; None as nan_to_none wrote it) is left out
+    gap = paired_effect(x + [np.nan, 61.0], y + [60.0, None])
+    assert gap["n"] == 5 and gap["p_t"] == pytest.approx(e["p_t"]) and gap["mean"] == e["mean"]
 
 
 def test_seeds_to_detect_matches_the_noncentral_t_power():

@@ -141,10 +141,14 @@ def paired_effect(x, y, alternative="two-sided", confidence=0.95):
     """The effect x - y paired by seed (x[i], y[i] from the same seed's split and stage 1):
     its mean, the t interval at ``confidence``, the paired t-test's and the Wilcoxon
     signed-rank test's p-values (scipy; NaN where n is too small for them), and the differences'
-    standard deviation ``sd`` (what seeds_to_detect reads)."""
+    standard deviation ``sd`` (what seeds_to_detect reads). A seed undefined on either side
+    (NaN or None) cannot be paired: it is left out, and ``n`` counts the seeds paired."""
     from scipy import stats
 
-    d = np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    defined = ~(np.isnan(x) | np.isnan(y))
+    x, y = x[defined], y[defined]
+    d = x - y
     n, nan = len(d), float("nan")
     out = {"n": n, "mean": float(np.mean(d)) if n else nan, "sd": nan, "ci_low": nan,
            "ci_high": nan, "p_t": nan, "p_wilcoxon": nan}
@@ -182,12 +186,16 @@ def seeds_to_detect(effect, sd, alpha=0.05, power=0.8):
 
 
 def row_metric(metrics, metric="AP20"):
-    """A row's metric from its results entry: the evaluator's {"bbox": {...}} or a flat dict."""
-    return float(metrics.get("bbox", metrics)[metric])
+    """A row's metric from its results entry: the evaluator's {"bbox": {...}} or a flat dict.
+    A metric written as null (nan_to_none: undefined, e.g. AP on a split without a lesion)
+    reads back as NaN."""
+    value = metrics.get("bbox", metrics)[metric]
+    return float("nan") if value is None else float(value)
 
 
 def paired_values(per_seed, a, b, metric="AP20"):
-    """(values of row a, of row b) over the seeds that have both."""
+    """(values of row a, of row b) over the seeds that have both (paired_effect leaves out a
+    seed whose value is undefined on either side)."""
     pairs = [(s["results"][a], s["results"][b]) for s in per_seed
              if a in s["results"] and b in s["results"]]
     return ([row_metric(x, metric) for x, _ in pairs], [row_metric(y, metric) for _, y in pairs])
