@@ -4,8 +4,10 @@
   python benchmarks/experiment_stage1_dev.py --out out/dev_d --candidates A B
 
 Development set D of docs/RESULTS.md §11: `benchmark_a`'s generator settings with another draw
-(300 patients, generator seed 2727), protocol partial 1/8, protocol seed 0; the benchmark's own
-data are never used here. Each candidate is one set of stage-1 overrides of the demo config
+(300 patients, generator seed 2727), protocol partial 1/8, protocol seed 0. ``--regime`` and
+``--set`` name another draw instead, e.g. ``--set patients=1300`` for the benchmark's own data:
+to measure what a candidate chosen on set D learns there (RESULTS §34), never to choose one.
+Each candidate is one set of stage-1 overrides of the demo config
 (CANDIDATES below). For each: BRAIxMVCCL trained as the pipeline trains it (its stage-1 stage,
 checkpoint every epoch), then every epoch's checkpoint and the export scored with
 ``--eval-only`` on the validation and the classifier test split, so the export's choice can be
@@ -20,7 +22,7 @@ import json
 import math
 import os
 
-from experiment_benchmark_regime import make_regime
+from experiment_benchmark_regime import make_regime, parse_sets
 from experiment_ratio_grid import run_args
 
 from braixdet.engine.hooks import read_export_selection
@@ -67,6 +69,13 @@ def scored(pipe, stage_dir, weights, out, opts):
         with open(path) as f:
             result[split] = json.load(f)["classification"]
     return result
+
+
+def draw_settings(a):
+    """The generator overrides of the draw: --set's, else set D's (with --patients)."""
+    if a.set:
+        return parse_sets(a.set)
+    return dict(DEV_SET, patients=a.patients or DEV_SET["patients"])
 
 
 def learns(export):
@@ -157,8 +166,12 @@ def main(argv=None):
     ap.add_argument("--ratio", default="1/8")
     ap.add_argument("--size", nargs=2, type=int, default=[256, 128])
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
-    ap.add_argument("--patients", type=int, default=DEV_SET["patients"],
+    ap.add_argument("--patients", type=int,
                     help="patients of the development set's draw (set D: 300)")
+    ap.add_argument("--regime", default="benchmark_a", help="a key of synthetic_mammo.REGIMES")
+    ap.add_argument("--set", nargs="+", metavar="KEY=VALUE",
+                    help="the draw's generator settings instead of set D's (patients=1300: "
+                         "the regime's own draw at the paper's image count)")
     ap.add_argument("--gradcam", action="store_true",
                     help="also Algorithm 1 from each export: box precision and lesion recall "
                          "on D_w")
@@ -168,7 +181,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     a.out = os.path.abspath(a.out)
     a.det_epochs = 3.0  # run_args needs it; no detector runs here
-    a.root, record = make_regime("benchmark_a", dict(DEV_SET, patients=a.patients), a.out)
+    if a.set and a.patients:
+        ap.error("--patients is set D's; with --set, give patients=N there")
+    a.root, record = make_regime(a.regime, draw_settings(a), a.out)
     results = [run_candidate(a, name) for name in a.candidates]
     atomic_write_json(os.path.join(a.out, "stage1_dev.json"),
                       {"dev_set": record, "criteria": LEARNS, "results": results}, indent=1)

@@ -71,6 +71,18 @@ def test_stage1_dev_criterion_at_its_edges(capsys, load_tool):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--candidates" in capsys.readouterr().out
+    # the draw: set D by default (RESULTS §11), its size with --patients, or --set's (§34)
+    import argparse
+
+    def draw(**kw):
+        return script.draw_settings(argparse.Namespace(**{"set": None, "patients": None, **kw}))
+
+    assert draw() == {"patients": 300, "seed": 2727}
+    assert draw(patients=1300) == {"patients": 1300, "seed": 2727}
+    assert draw(set=["patients=1300"]) == {"patients": 1300}
+    with pytest.raises(SystemExit):
+        main(["--out", "unused", "--set", "patients=1300", "--patients", "1300"])
+    assert "with --set, give patients=N there" in capsys.readouterr().err
 
 
 def test_benchmark_regime_criteria_and_settings(tmp_path, load_tool):
