@@ -168,7 +168,9 @@ def main(argv=None):
     ap.add_argument("--stage1-epochs", type=float, default=5.0)
     ap.add_argument("--patients", type=int,
                     help="patients of the development set's draw (set D: 300)")
-    ap.add_argument("--regime", default="benchmark_a", help="a key of synthetic_mammo.REGIMES")
+    ap.add_argument("--regime", default="benchmark_a",
+                    help="the synthetic_mammo.REGIMES key whose settings the draw uses (set D: "
+                         "benchmark_a; without --set, set D's seed and size)")
     ap.add_argument("--set", nargs="+", metavar="KEY=VALUE",
                     help="the draw's generator settings instead of set D's (patients=1300: "
                          "the regime's own draw at the paper's image count)")
