@@ -27,9 +27,7 @@ beside a record) draws each detector row's test AP@0.2 per seed against the ceil
 import argparse
 import json
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from _common import cpu_model, plot_rows
@@ -45,8 +43,8 @@ from experiment_benchmark_regime import (
 from experiment_ratio_grid import run_args
 from filelock import FileLock
 
-from braixdet.pipeline.ceiling import add_ceiling, run_ceiling
-from braixdet.pipeline.launcher import add_launcher_arguments, launch
+from braixdet.pipeline.ceiling import add_ceiling
+from braixdet.pipeline.launcher import local_job_args, run_parallel
 from braixdet.pipeline.methods import CAM_ONLY, METHODS
 from braixdet.pipeline.results import CEILING, paired_tables, paper_table, row_metric
 from braixdet.pipeline.seeds import DEFAULT_METHODS, run_seeds, seed_args
@@ -173,35 +171,6 @@ def regime_criteria(per_seed):
     return check_means(*([ap20(s, row) for s in per_seed] for row in (ROW, CEILING)))
 
 
-def ceiling_when_ready(args, epochs, stop):
-    """run_ceiling of one seed's run once the classifier it starts from is done (or never, when
-    ``stop`` is set first: the grid failed)."""
-    marker = os.path.join(args.out, METHODS["faster_rcnn"].init, "stage_done.json")
-    while not os.path.exists(marker):
-        if stop.wait(2.0):
-            return None
-    return run_ceiling(args, os.path.join(args.out, "ceiling"), epochs)
-
-
-def run_parallel(args, seeds, run_dir, ceiling_epochs):
-    """The grid's stages as parallel local jobs, each ceiling beside them; the summaries from
-    the finished stages (run_seeds reading done-markers, as the launcher's summary job)."""
-    jobs = add_launcher_arguments(argparse.ArgumentParser()).parse_args(
-        ["--launcher", "local", "--gpus-per-job", "1", "--cpus-per-job", "2"])
-    grid = argparse.Namespace(**{**vars(args), **vars(jobs)})
-    stop = threading.Event()
-    with ThreadPoolExecutor(len(seeds)) as pool:
-        ceilings = [pool.submit(ceiling_when_ready, seed_args(args, s, run_dir), ceiling_epochs,
-                                stop) for s in seeds if ceiling_epochs]
-        try:
-            launch(grid, seeds, run_dir)
-        finally:
-            stop.set()  # a ceiling still waiting for its classifier will not get it
-        for c in ceilings:
-            c.result()  # its error, if it failed
-    return run_seeds(args, seeds, run_dir, job="summary")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_regime_arguments(ap)
@@ -234,8 +203,8 @@ def main(argv=None):
         load_record(a.record, record_settings(a, record))
     args = pipeline_args(a)
     ceiling_epochs = 0 if a.no_ceiling else a.ceiling_epochs
-    per_seed = run_parallel(args, a.seeds, a.run_dir, ceiling_epochs) if a.parallel else \
-        run_seeds(args, a.seeds, a.run_dir)
+    per_seed = run_parallel(args, a.seeds, a.run_dir, local_job_args(), ceiling_epochs) \
+        if a.parallel else run_seeds(args, a.seeds, a.run_dir)
     for seed, summary in zip(a.seeds, per_seed):
         if ceiling_epochs:
             add_ceiling(seed_args(args, seed, a.run_dir), summary, ceiling_epochs)

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 
+import pytest
 import torch
 from _train_helpers import assert_state_equal, build_trainer, load_ckpt, run_train_net, tiny_opts
 
@@ -67,3 +68,70 @@ def test_same_seed_same_first_step_in_process(synthetic_root, tmp_path):
         trainer.train()
         states.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
     assert_state_equal(states[0], states[1], "after one step")
+
+
+def test_demo_table_does_not_depend_on_how_many_stages_run_at_once(load_tool, tmp_path,
+                                                                   monkeypatch, capsys):
+    """tools/run_demo.py --jobs 2 (the default on two cores) trains the stages as local jobs at
+    once, --jobs 1 one after another in-process: with one torch thread per stage (demo.py) the
+    two give the same table to the last digit."""
+    from braixdet.pipeline import demo
+
+    monkeypatch.setitem(demo.DEMO, "quick", dict(
+        patients=16, rows=256, cols=160, separation=2.0, size=(64, 32), stage1_epochs=1.0,
+        det_epochs=0.5, ceiling_epochs=0.5))
+    tool = load_tool("run_demo")
+    runs = {}
+    for jobs in (2, 1):
+        out = tmp_path / f"jobs{jobs}"
+        tool.main(["--quick", "--out", str(out), "--methods", "faster_rcnn", "--jobs",
+                   str(jobs)])
+        printed = capsys.readouterr().out
+        assert ("local job" in printed) == (jobs > 1)
+        with open(out / "demo_quick" / "results.json") as f:
+            runs[jobs] = json.load(f)
+        config = (out / "demo_quick" / "faster_rcnn" / "config.yaml").read_text()
+        assert "\nNUM_THREADS: 1\n" in config  # as the stage ran it
+    assert runs[2]["results"] and runs[2]["results"] == runs[1]["results"]
+    assert runs[2]["classifiers"] == runs[1]["classifiers"]
+    with pytest.raises(SystemExit, match="--jobs 0"):
+        tool.main(["--quick", "--out", str(tmp_path / "none"), "--jobs", "0"])
+
+
+def test_local_launcher_runs_at_most_max_jobs_at_once_and_after_their_inputs(tmp_path,
+                                                                             monkeypatch):
+    """launcher._run_local through submitit's local executor: with --max-jobs 2, three ready
+    jobs never run three at once, and a job waits for the job it needs; without a cap the
+    three ready ones run together. Each job is a shell command that logs when it starts and
+    ends."""
+    import functools
+    import subprocess
+
+    from braixdet.pipeline import launcher
+
+    log = tmp_path / "times.log"
+
+    def command(job, *_):
+        return functools.partial(subprocess.run, [
+            "sh", "-c", f'echo "{job.key} start $(date +%s.%N)" >> {log}; sleep 1.5; '
+                        f'echo "{job.key} end $(date +%s.%N)" >> {log}'], check=True)
+
+    monkeypatch.setattr(launcher, "_callable", command)
+    jobs = [launcher.Job(0, name, after, 0, "stage1") for name, after in
+            (("a", ()), ("b", ()), ("c", ()), ("d", ("s0/a",)))]
+
+    def most_at_once(max_jobs):
+        log.write_text("")
+        launcher._run_local(jobs, launcher.local_job_args(max_jobs, 1, 0), None, [0],
+                            str(tmp_path), str(tmp_path / f"submitit{max_jobs}"))
+        times = {}
+        for line in log.read_text().split("\n"):
+            if line:
+                key, what, t = line.split()
+                times.setdefault(key, {})[what] = float(t)
+        assert times["s0/d"]["start"] >= times["s0/a"]["end"]  # after its input
+        return max(sum(t["start"] <= s["start"] < t["end"] for t in times.values())
+                   for s in times.values())
+
+    assert most_at_once(2) == 2
+    assert most_at_once(0) == 3

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The README's main job: the whole BRAIxDet method on a synthetic DICOM dataset, on a CPU.
 
-  make demo            (about 13 min on 2 cores)      make demo QUICK=1   (about 2 min)
+  make demo            (about 11 min on 2 cores)      make demo QUICK=1   (about 2 min)
   python tools/run_demo.py --seeds 0 1 2               (3 seeds, every row incl. competitors:
                                                        the table as mean ± std, about 87 min)
 Measured run times: docs/RESULTS.md §1.0a and §1.7.
@@ -28,6 +28,9 @@ def parse_args(argv=None):
     ap.add_argument("--methods", nargs="+", choices=[CAM_ONLY, *METHODS, CEILING_ROW],
                     help="the rows (default: the demo's four and the full-label ceiling for "
                          "one seed, every row for several)")
+    ap.add_argument("--jobs", type=int,
+                    help="stages at once, one torch thread each (default: the CPU count; 1: "
+                         "one after another); the table does not depend on it")
     ap.add_argument("--resume", action="store_true",
                     help="keep previous outputs: finished stages are skipped, interrupted "
                          "training resumes (default: recompute everything but the data)")
@@ -38,7 +41,7 @@ def main(argv=None):
     args = parse_args(argv)
     seeds = args.seeds or [0 if args.seed is None else args.seed]
     return run_demo(args.out, quick=args.quick, seeds=seeds, resume=args.resume,
-                    methods=args.methods)
+                    methods=args.methods, jobs=args.jobs)
 
 
 if __name__ == "__main__":

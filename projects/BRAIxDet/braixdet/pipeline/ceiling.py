@@ -70,3 +70,13 @@ def add_ceiling(args, summary, epochs=None):
     summary["results"].update(ceiling["results"])
     summary.setdefault("row_cpu_seconds", {}).update(ceiling["row_cpu_seconds"])
     atomic_write_json(os.path.join(args.out, "results.json"), summary, indent=1)
+
+
+def ceiling_when_ready(args, epochs, stop):
+    """run_ceiling of one seed's run once the classifier it starts from is done (or never, when
+    ``stop``, a threading.Event, is set first: the grid failed)."""
+    marker = os.path.join(args.out, METHODS["faster_rcnn"].init, "stage_done.json")
+    while not os.path.exists(marker):
+        if stop.wait(2.0):
+            return None
+    return run_ceiling(args, os.path.join(args.out, "ceiling"), epochs)

@@ -8,6 +8,11 @@
    full-label ceiling (Faster R-CNN on every training box, same split: pipeline/ceiling.py)
 3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
    in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
+
+Every stage trains on one torch thread, and as many stages as the machine has cores run at once
+(local jobs, pipeline/launcher.py; ``jobs=1``: one after another in this process). One thread
+makes the table the same whatever the core count or ``jobs``, and on a 2-core machine two
+one-thread stages do about twice the work of one two-thread stage (docs/RESULTS.md §1.7).
 """
 import json
 import os
@@ -22,6 +27,7 @@ from ..model_zoo import get_config_file
 from ..utils.io import atomic_write_json, atomic_write_text
 from .ceiling import add_ceiling
 from .core import Pipeline, demo_config_args
+from .launcher import local_job_args, run_parallel
 from .results import CEILING, format_classifiers, format_table
 from .seeds import DEFAULT_METHODS, NOT_RANKED, run_seeds, seed_args, write_experiments
 
@@ -40,6 +46,13 @@ DEMO = {
 }
 DATA_SEED = 0  # one synthetic dataset for every seed: seeds vary the split and the training
 CHANCE_AUC = 0.6  # below this the classifier learned nothing: say so next to the table
+STAGE_THREADS = 1  # torch threads of every stage (NUM_THREADS): the module docstring says why
+
+
+def default_jobs():
+    """Stages at once: one per core this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
 
 
 def make_data(root, spec, seed=DATA_SEED):
@@ -110,16 +123,22 @@ def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
 
 
 def pipeline_args(root, out, spec, base, seed, methods=METHODS):
-    return demo_config_args(root, out, size=spec["size"], stage1_epochs=spec["stage1_epochs"],
+    args = demo_config_args(root, out, size=spec["size"], stage1_epochs=spec["stage1_epochs"],
                             det_epochs=spec["det_epochs"], seed=seed, methods=methods,
                             cache_dir=os.path.join(base, "cache"))  # survives re-runs
+    args.opts += ["NUM_THREADS", str(STAGE_THREADS)]
+    return args
 
 
-def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
+def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None, jobs=None):
     """The demo into <out>/demo (or demo_quick); one seed there, several in <out>/demo/s<seed>
     with the mean ± std table. ``methods``: the rows (default: METHODS for one seed,
-    ALL_METHODS for several). Returns the (first seed's or the seeds') summary."""
+    ALL_METHODS for several); ``jobs``: stages at once (default: default_jobs()). Returns the
+    (first seed's or the seeds') summary."""
     t0 = time.time()
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise SystemExit(f"error: --jobs {jobs}: at least one stage must run")
     seeds = list(seeds)
     one = len(seeds) == 1
     methods = list(methods or (METHODS if one else ALL_METHODS))
@@ -136,11 +155,18 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
     root = os.path.join(base, "data_quick" if quick else "data")
     make_data(root, spec)
     args = pipeline_args(root, out, spec, base, seeds[0], methods)
-    per_seed = run_seeds(args, seeds, out, per_seed_out=(lambda s: out) if one else None)
-    if ceiling:
-        for seed, summary in zip(seeds, per_seed):
-            add_ceiling(seed_args(args, seed, out) if not one else args, summary,
-                        spec["ceiling_epochs"])
+    per_seed_out = _same_folder(out) if one else None
+    ceiling_epochs = spec["ceiling_epochs"] if ceiling else 0
+    if jobs > 1:
+        print(f"=== [demo] up to {jobs} stages at once, one torch thread each; each stage's "
+              f"full log in {out}{'' if one else '/s<seed>'}/logs/", flush=True)
+        per_seed = run_parallel(args, seeds, out, local_job_args(jobs, STAGE_THREADS, 0),
+                                ceiling_epochs, per_seed_out)
+    else:
+        per_seed = run_seeds(args, seeds, out, per_seed_out)
+    for seed, summary in zip(seeds, per_seed):
+        if ceiling:  # trained by run_parallel already: then this reads its finished stages
+            add_ceiling(seed_args(args, seed, out, per_seed_out), summary, ceiling_epochs)
     first = Pipeline(args if one else pipeline_args(root, os.path.join(out, f"s{seeds[0]}"),
                                                     spec, base, seeds[0], methods))
     if one:
@@ -156,6 +182,17 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None):
     print("\n" + text)
     print(f"outputs in {out}")
     return summary
+
+
+class _same_folder:
+    """per_seed_out of one seed: the demo's folder itself (a class, so local jobs can pickle
+    it)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def __call__(self, seed):
+        return self.out
 
 
 def _overlays(pipeline, out):

@@ -12,18 +12,22 @@ grid again runs only what is missing. A preempted or timed-out job is checkpoint
 by submitit (``Checkpointable``: the same call again); the requeued job skips its done stages
 and resumes training from the stage's last checkpoint (train_net ``--resume``).
 """
+import argparse
 import copy
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
 import submitit
 
 from ..cli import ToolError
+from .ceiling import ceiling_when_ready
 from .core import Pipeline
 from .methods import CAM_ONLY, STAGE1
-from .seeds import run_experiments, seed_args
+from .seeds import run_experiments, run_seeds, seed_args
 
 SUMMARY = "summary"
 POLL_S = 0.5  # how often the local launcher looks at its running jobs
@@ -39,6 +43,9 @@ def add_launcher_arguments(ap):
                     help="GPUs of a training job (one node; detectron2's launch starts one "
                          "process per GPU); --num-gpus of its stage")
     ap.add_argument("--cpus-per-job", type=int, default=10)
+    ap.add_argument("--max-jobs", type=int, default=0,
+                    help="local: at most this many jobs at once (default 0: every job whose "
+                         "inputs are ready)")
     ap.add_argument("--timeout-min", type=int, default=24 * 60,
                     help="a job's time limit; at the limit it checkpoints and requeues")
     ap.add_argument("--max-requeue", type=int, default=20,
@@ -72,11 +79,11 @@ def _kind(stage):
         else "detector"
 
 
-def job_graph(args, seeds, out, gpus_per_job, count_iterations=False):
+def job_graph(args, seeds, out, gpus_per_job, count_iterations=False, per_seed_out=None):
     """The jobs of the grid, each after the jobs it needs (done stages left out)."""
     jobs = []
     for seed in seeds:
-        pipe = Pipeline(seed_args(args, seed, out))
+        pipe = Pipeline(seed_args(args, seed, out, per_seed_out))
         pipe.check_stages()  # a bad value ends the launch, not a job hours into the grid
         plan = pipe.plan()
         for stage in plan.jobs():
@@ -97,11 +104,13 @@ class StageJob(submitit.helpers.Checkpointable):
     """One (seed, stage) job. ``checkpoint`` (inherited) requeues this same call: done stages
     are skipped, training resumes from the stage's last checkpoint."""
 
-    def __init__(self, args, seed, out, stage):
+    def __init__(self, args, seed, out, stage, per_seed_out=None):
         self.args, self.seed, self.out, self.stage = args, seed, out, stage
+        self.per_seed_out = per_seed_out
 
     def __call__(self):
-        pipe = Pipeline(seed_args(self.args, self.seed, self.out), job=self.stage)
+        pipe = Pipeline(seed_args(self.args, self.seed, self.out, self.per_seed_out),
+                        job=self.stage)
         pipe.run_job(self.stage, pipe.plan())
         return self.stage
 
@@ -182,10 +191,10 @@ def _executor(args, folder, job, after_ids=()):
     return ex
 
 
-def _callable(job, args, seeds, out):
+def _callable(job, args, seeds, out, per_seed_out=None):
     if job.seed is None:
         return SummaryJob(args, seeds, out)
-    return StageJob(args, job.seed, out, job.stage)
+    return StageJob(args, job.seed, out, job.stage, per_seed_out)
 
 
 def launch(args, seeds, out):
@@ -201,7 +210,7 @@ def launch(args, seeds, out):
     folder = os.path.join(out, "submitit")
     if args.launcher == "slurm":
         return _submit_slurm(jobs, args, train_args, seeds, out, folder)
-    summary = _run_local(jobs, args, train_args, seeds, out, folder)
+    summary = _run_local(jobs, args, train_args, seeds, out, folder)[SUMMARY]
     with open(os.path.join(out, "summary.md")) as f:  # the summary job wrote it
         print("\n" + f.read() + f"\nwrote {out}/summary.md and summary.json; job logs in "
               f"{folder}/")
@@ -227,26 +236,66 @@ def _job_error_line(exc):
         f"error: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
 
 
-def _run_local(jobs, args, train_args, seeds, out, folder):
-    pending, running, finished, result = list(jobs), {}, set(), None
+def _run_local(jobs, args, train_args, seeds, out, folder, per_seed_out=None):
+    """Each job once the jobs it needs have finished, at most ``--max-jobs`` at once, in the
+    graph's order (stage 1 and GradCAM before the detectors: the longest chain first);
+    returns {job key: its result}."""
+    pending, running, finished, results = list(jobs), {}, set(), {}
+    started = {}
     try:
         while pending or running:
             for j in [j for j in pending if all(k in finished for k in j.after)]:
+                if args.max_jobs and len(running) >= args.max_jobs:
+                    break
                 ex = _executor(args, folder, j)
-                running[j.key] = ex.submit(_callable(j, train_args, seeds, out))
+                running[j.key] = ex.submit(_callable(j, train_args, seeds, out, per_seed_out))
+                started[j.key] = time.time()
                 pending.remove(j)
                 print(f"=== [{j.key}] local job {running[j.key].job_id}", flush=True)
             for key, sj in list(running.items()):
                 if sj.done():
                     del running[key]
                     try:
-                        result = sj.result()
+                        results[key] = sj.result()
                     except Exception as e:  # noqa: BLE001 - one line naming the job and log
                         raise ToolError(f"{_job_error_line(e)} (job {key}; log: "
                                         f"{sj.paths.stdout})") from None
                     finished.add(key)
+                    print(f"=== [{key}] done in {(time.time() - started[key]) / 60:.1f} min",
+                          flush=True)
             time.sleep(POLL_S)
     finally:
         for sj in running.values():  # we stop early: stop what is still running
             sj.cancel()
-    return result
+    return results
+
+
+def local_job_args(max_jobs=0, cpus_per_job=2, gpus_per_job=1):
+    """The launcher arguments of a grid run as local jobs on this machine."""
+    return add_launcher_arguments(argparse.ArgumentParser()).parse_args(
+        ["--launcher", "local", "--gpus-per-job", str(gpus_per_job),
+         "--cpus-per-job", str(cpus_per_job), "--max-jobs", str(max_jobs)])
+
+
+def run_parallel(args, seeds, out, jobs, ceiling_epochs=0, per_seed_out=None):
+    """Every stage of the grid as a local job (``jobs``: local_job_args) once its inputs are
+    ready, and each seed's full-label ceiling (pipeline/ceiling.py) beside them once the
+    classifier it starts from is done; returns the seeds' summaries, read from the finished
+    stages (run_seeds with ``job="summary"``). Done stages are skipped, so a re-run continues."""
+    out = os.path.abspath(out)
+    train_args = copy.copy(args)
+    train_args.num_gpus = max(1, jobs.gpus_per_job)  # detectron2's launch inside the job
+    graph = [j for j in job_graph(train_args, seeds, out, jobs.gpus_per_job,
+                                  per_seed_out=per_seed_out) if j.seed is not None]
+    stop = threading.Event()
+    with ThreadPoolExecutor(max(1, len(seeds))) as pool:
+        ceilings = [pool.submit(ceiling_when_ready, seed_args(args, s, out, per_seed_out),
+                                ceiling_epochs, stop) for s in seeds if ceiling_epochs]
+        try:
+            _run_local(graph, jobs, train_args, seeds, out, os.path.join(out, "submitit"),
+                       per_seed_out)
+        finally:
+            stop.set()  # a ceiling still waiting for its classifier will not get it
+        for c in ceilings:
+            c.result()  # its error, if it failed
+    return run_seeds(args, seeds, out, per_seed_out, job=SUMMARY)

@@ -21,10 +21,12 @@ NOT_RANKED = ("Rows whose means differ by less than their seed spread (std) are 
               "the difference is within noise.")
 
 
-def seed_args(args, seed, out):
-    """The pipeline arguments of one seed (its own split, stage 1 and folder)."""
+def seed_args(args, seed, out, per_seed_out=None):
+    """The pipeline arguments of one seed (its own split, stage 1 and folder: per_seed_out(seed),
+    default <out>/s<seed>)."""
     a = copy.copy(args)
-    a.seed, a.out = seed, os.path.join(out, f"s{seed}")
+    a.seed = seed
+    a.out = per_seed_out(seed) if per_seed_out is not None else os.path.join(out, f"s{seed}")
     return a
 
 
@@ -37,10 +39,7 @@ def run_seeds(args, seeds, out, per_seed_out=None, job=None):
     for i, seed in enumerate(seeds):
         print(f"\n##### seed {seed} ({i + 1}/{len(seeds)}), "
               f"{(time.time() - t0) / 60:.1f} min so far", flush=True)
-        a = seed_args(args, seed, out)
-        if per_seed_out is not None:
-            a.out = per_seed_out(seed)
-        per_seed.append(Pipeline(a, job=job).run_all())
+        per_seed.append(Pipeline(seed_args(args, seed, out, per_seed_out), job=job).run_all())
     return per_seed
 
 
