@@ -600,6 +600,7 @@ def test_a_resumed_stage_reports_the_time_of_its_earlier_attempts(monkeypatch, t
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, TrainingTimeHook.EARLIER_ATTEMPTS), "w") as f:
             json.dump({"from_iteration": 300, "seconds": 2000.0, "cpu_seconds": 3000.0}, f)
+        return 0.0  # run_stage's CPU seconds of this attempt
 
     monkeypatch.setattr("braixdet.pipeline.core.run_stage", resumed_stage)
     pipe = Pipeline(__import__("argparse").Namespace(
@@ -777,6 +778,27 @@ def test_stage_log_is_written_line_by_line_and_algorithm2_reaches_progress(tmp_p
     assert log.read_text().splitlines() == [line, "seen"]
     assert "\n   Algorithm 2: oracle boxes fused during the first 5 iterations\n" in \
         capsys.readouterr().out
+
+
+def test_stage_cpu_seconds_are_its_own_beside_another_child(tmp_path):
+    """run_stage returns the CPU time of its own process (wait4), not the caller's
+    RUSAGE_CHILDREN, which also counts another child that ended meanwhile: a ceiling trained
+    from a thread beside local jobs (launcher.run_parallel) recorded their CPU as its own."""
+    import subprocess
+    import threading
+
+    from braixdet.pipeline.stages import run_stage
+
+    burn = "import time\nend = time.process_time() + 1.5\nwhile time.process_time() < end: pass"
+    other = subprocess.Popen([sys.executable, "-c", burn])
+    reaper = threading.Thread(target=other.wait)  # reaped while the stage runs
+    reaper.start()
+    own = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n" \
+          "time.sleep(2.5)"
+    cpu = run_stage("probe", [sys.executable, "-c", own], str(tmp_path / "probe.log"))
+    reaper.join()
+    assert other.returncode == 0
+    assert 0.3 <= cpu < 1.3  # its own 0.3 s and start-up, not the other child's 1.5 s
 
 
 def test_a_cluster_job_runs_its_stage_only_from_the_stages_it_waits_for(monkeypatch, tmp_path):

@@ -9,10 +9,10 @@
 3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
    in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
 
-Every stage trains on one torch thread, and as many stages as the machine has cores run at once
-(local jobs, pipeline/launcher.py; ``jobs=1``: one after another in this process). One thread
-makes the table the same whatever the core count or ``jobs``, and on a 2-core machine two
-one-thread stages do about twice the work of one two-thread stage (docs/RESULTS.md §1.7).
+Stages run one after another in this process, or ``jobs`` at once as local jobs
+(pipeline/launcher.py: a machine with more cores than one stage's threads); each stage keeps the
+demo configs' ``NUM_THREADS``, so the table is the same whatever ``jobs`` is. On two cores one
+stage at a time is fastest (docs/RESULTS.md §1.9: one thread per stage, two at once, was slower).
 """
 import json
 import os
@@ -46,13 +46,14 @@ DEMO = {
 }
 DATA_SEED = 0  # one synthetic dataset for every seed: seeds vary the split and the training
 CHANCE_AUC = 0.6  # below this the classifier learned nothing: say so next to the table
-STAGE_THREADS = 1  # torch threads of every stage (NUM_THREADS): the module docstring says why
+STAGE_THREADS = 2  # NUM_THREADS of the demo configs (configs/demo/Base-*.yaml): a stage's cores
 
 
 def default_jobs():
-    """Stages at once: one per core this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+    """Stages at once: one per STAGE_THREADS cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
+    return max(1, cores // STAGE_THREADS)
 
 
 def make_data(root, spec, seed=DATA_SEED):
@@ -123,11 +124,9 @@ def report(tables, summary, spec, quick, seeds, minutes, overlays, out):
 
 
 def pipeline_args(root, out, spec, base, seed, methods=METHODS):
-    args = demo_config_args(root, out, size=spec["size"], stage1_epochs=spec["stage1_epochs"],
+    return demo_config_args(root, out, size=spec["size"], stage1_epochs=spec["stage1_epochs"],
                             det_epochs=spec["det_epochs"], seed=seed, methods=methods,
                             cache_dir=os.path.join(base, "cache"))  # survives re-runs
-    args.opts += ["NUM_THREADS", str(STAGE_THREADS)]
-    return args
 
 
 def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None, jobs=None):
@@ -158,8 +157,8 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None, job
     per_seed_out = _same_folder(out) if one else None
     ceiling_epochs = spec["ceiling_epochs"] if ceiling else 0
     if jobs > 1:
-        print(f"=== [demo] up to {jobs} stages at once, one torch thread each; each stage's "
-              f"full log in {out}{'' if one else '/s<seed>'}/logs/", flush=True)
+        print(f"=== [demo] up to {jobs} stages at once; each stage's full log in "
+              f"{out}{'' if one else '/s<seed>'}/logs/", flush=True)
         per_seed = run_parallel(args, seeds, out, local_job_args(jobs, STAGE_THREADS, 0),
                                 ceiling_epochs, per_seed_out)
     else:

@@ -62,15 +62,26 @@ def _stop_group(proc, signum):
         pass
 
 
+def _wait_with_usage(proc):
+    """Reap ``proc`` -> its CPU seconds (user + system, with its own reaped children): the
+    child's rusage from wait4, not this process's RUSAGE_CHILDREN, which also counts every other
+    child that ended meanwhile (stages run side by side from threads: launcher.run_parallel)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_stage(name, cmd, log_path, cwd=None, env=None):
     """Run ``cmd`` in a new process group; full output to ``log_path``, progress lines to
-    stdout. Raises StageFailed (exit status != 0) or StageInterrupted (a signal we forwarded).
+    stdout. Returns the stage's CPU seconds. Raises StageFailed (exit status != 0) or
+    StageInterrupted (a signal we forwarded).
     """
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     entry = cmd[2] if cmd[1] == "-m" else os.path.basename(cmd[1])  # module or script
     print(f"\n=== [{name}] {entry} (full log: {log_path})", flush=True)
     received = []
     tail = []
+    cpu = None
     # line-buffered: a person tailing the full log of a long stage sees each line as it comes
     with open_no_follow(log_path, "w", replace_link=True, buffering=1) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -94,7 +105,7 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
                 if PROGRESS.search(line):
                     shown = LOG_PREFIX.sub("", ANSI.sub("", line.rstrip()))
                     print("   " + shown[:170], flush=True)
-            proc.wait()
+            cpu = _wait_with_usage(proc)
         finally:
             if proc.poll() is None:  # we are leaving early (an exception): stop the stage
                 _stop_group(proc, signal.SIGTERM)
@@ -115,6 +126,7 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
         cause = last_error_line(tail)
         raise StageFailed(f"{cause} (stage {name}; log: {log_path})" if cause else
                           f"error: stage {name} failed (exit {proc.returncode}); see {log_path}")
+    return cpu
 
 
 def read_json(path):
