@@ -37,11 +37,10 @@ METHODS = ["cam_only", "faster_rcnn", "mean_teacher", "braixdet", CEILING_ROW]
 # seed: 87 min for three, docs/RESULTS.md §1.0a)
 ALL_METHODS = DEFAULT_METHODS + ["stac", "unbiased_teacher", "soft_teacher", CEILING_ROW]
 # synthetic set, canonical input, schedules (stage-1 / stage-2 epochs; the ceiling's in passes
-# over every boxed image); docs/RESULTS.md §1.5, and §1.9: 4 + 2 epochs fit 15 min on a 2-core
-# Intel Xeon (5 + 3 until 2026-12-07)
+# over every boxed image); docs/RESULTS.md §1.5
 DEMO = {
     "full": dict(patients=160, rows=512, cols=320, separation=2.0, size=(256, 128),
-                 stage1_epochs=4.0, det_epochs=2.0, ceiling_epochs=2.0),
+                 stage1_epochs=5.0, det_epochs=3.0, ceiling_epochs=3.0),
     "quick": dict(patients=24, rows=256, cols=160, separation=2.0, size=(128, 64),
                   stage1_epochs=2.0, det_epochs=1.0, ceiling_epochs=1.0),
 }
