@@ -103,11 +103,11 @@ def test_demo_jobs_run_stages_as_local_jobs_with_the_configs_threads(load_tool, 
 
 
 def test_local_launcher_runs_at_most_max_jobs_at_once_and_after_their_inputs(tmp_path,
-                                                                             monkeypatch):
+                                                                             monkeypatch, capsys):
     """launcher._run_local through submitit's local executor: with --max-jobs 2, three ready
     jobs never run three at once, and a job waits for the job it needs; without a cap the
     three ready ones run together. Each job is a shell command that logs when it starts and
-    ends."""
+    ends. tools/run_experiments.py refuses a cap that would stop every job or do nothing."""
     import functools
     import subprocess
 
@@ -139,3 +139,12 @@ def test_local_launcher_runs_at_most_max_jobs_at_once_and_after_their_inputs(tmp
 
     assert most_at_once(2) == 2
     assert most_at_once(0) == 3
+    from braixdet.pipeline.experiments import parse_args
+
+    root = ["--root", str(tmp_path)]
+    assert parse_args([*root, "--launcher", "local", "--max-jobs", "2"]).max_jobs == 2
+    for argv, why in ((["--launcher", "local", "--max-jobs", "-1"], "0 (no cap)"),  # never runs
+                      (["--launcher", "slurm", "--max-jobs", "2"], "would do nothing")):
+        with pytest.raises(SystemExit):
+            parse_args([*root, *argv])
+        assert why in capsys.readouterr().err

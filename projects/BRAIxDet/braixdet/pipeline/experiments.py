@@ -22,7 +22,13 @@ def parse_args(argv=None, description=__doc__):
     add_launcher_arguments(ap)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.set_defaults(out="output/experiments", methods=DEFAULT_METHODS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.max_jobs < 0:
+        ap.error(f"--max-jobs {args.max_jobs}: 0 (no cap) or a number of jobs")
+    if args.max_jobs and args.launcher != "local":
+        ap.error(f"--max-jobs caps the local launcher's jobs; with --launcher {args.launcher} "
+                 "it would do nothing")
+    return args
 
 
 def run(args):
