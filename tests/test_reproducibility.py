@@ -73,7 +73,7 @@ def test_same_seed_same_first_step_in_process(synthetic_root, tmp_path):
 def test_demo_jobs_run_stages_as_local_jobs_with_the_configs_threads(load_tool, tmp_path,
                                                                       monkeypatch, capsys):
     """tools/run_demo.py --jobs 2 trains the stages as local jobs (pipeline/launcher.py) into the
-    one-seed demo's own folder, each with the demo configs' thread count (demo.STAGE_THREADS), as
+    one-seed demo's own folder, each with the demo configs' thread count (demo.stage_threads()), as
     --jobs 1 trains them in-process: so the table does not depend on --jobs (a local job trains
     the same numbers as the in-process run: test_pipeline_e2e.py's launcher test). --jobs 0 is
     refused."""
@@ -86,15 +86,16 @@ def test_demo_jobs_run_stages_as_local_jobs_with_the_configs_threads(load_tool, 
     out = tmp_path / "demo_quick"
     tool.main(["--quick", "--out", str(tmp_path), "--methods", "faster_rcnn", "--jobs", "2"])
     assert "] local job " in capsys.readouterr().out
+    threads = demo.stage_threads()
     for stage in ("classifier_single_view", "faster_rcnn"):
         config = (out / stage / "config.yaml").read_text()
-        assert f"\nNUM_THREADS: {demo.STAGE_THREADS}\n" in config  # as the stage ran it
+        assert f"\nNUM_THREADS: {threads}\n" in config  # as the stage ran it
         assert (out / "logs" / f"{stage}.log").exists()
     from braixdet.model_zoo import config_root
 
-    for base in ("Base-MVCCL.yaml", "Base-BRAIxDet.yaml"):  # what default_jobs divides by
+    for base in ("Base-MVCCL.yaml", "Base-BRAIxDet.yaml"):  # stage 1 too: default_jobs' divisor
         text = open(os.path.join(config_root(), "demo", base)).read()
-        assert f"\nNUM_THREADS: {demo.STAGE_THREADS}\n" in text
+        assert f"\nNUM_THREADS: {threads}\n" in text
     results = json.loads((out / "results.json").read_text())
     assert list(results["results"]) == ["Faster R-CNN"]
     assert results["classifiers"]["classifier_single_view"]["test"]["AUC"] is not None

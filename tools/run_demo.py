@@ -29,8 +29,8 @@ def parse_args(argv=None):
                     help="the rows (default: the demo's four and the full-label ceiling for "
                          "one seed, every row for several)")
     ap.add_argument("--jobs", type=int,
-                    help="stages at once, as local jobs (default: one per two cores; each stage "
-                         "uses the demo configs' 2 threads); the table does not depend on it")
+                    help="stages at once, as local jobs (default: the cores / the demo configs' "
+                         "NUM_THREADS, which each stage uses); the table does not depend on it")
     ap.add_argument("--resume", action="store_true",
                     help="keep previous outputs: finished stages are skipped, interrupted "
                          "training resumes (default: recompute everything but the data)")

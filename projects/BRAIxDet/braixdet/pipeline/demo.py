@@ -46,14 +46,18 @@ DEMO = {
 }
 DATA_SEED = 0  # one synthetic dataset for every seed: seeds vary the split and the training
 CHANCE_AUC = 0.6  # below this the classifier learned nothing: say so next to the table
-STAGE_THREADS = 2  # NUM_THREADS of the demo configs (configs/demo/Base-*.yaml): a stage's cores
+
+
+def stage_threads():
+    """The cores a stage uses: NUM_THREADS of the demo configs (configs/demo/Base-*.yaml)."""
+    return build_cfg(get_config_file("demo/BRAIxDet/braixdet.yaml"), []).NUM_THREADS
 
 
 def default_jobs():
-    """Stages at once: one per STAGE_THREADS cores this process may use."""
+    """Stages at once: one per stage_threads() cores this process may use."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
-    return max(1, cores // STAGE_THREADS)
+    return max(1, cores // stage_threads())
 
 
 def make_data(root, spec, seed=DATA_SEED):
@@ -159,7 +163,7 @@ def run_demo(out="out", quick=False, seeds=(0,), resume=False, methods=None, job
     if jobs > 1:
         print(f"=== [demo] up to {jobs} stages at once; each stage's full log in "
               f"{out}{'' if one else '/s<seed>'}/logs/", flush=True)
-        per_seed = run_parallel(args, seeds, out, local_job_args(jobs, STAGE_THREADS, 0),
+        per_seed = run_parallel(args, seeds, out, local_job_args(jobs, stage_threads(), 0),
                                 ceiling_epochs, per_seed_out)
     else:
         per_seed = run_seeds(args, seeds, out, per_seed_out)

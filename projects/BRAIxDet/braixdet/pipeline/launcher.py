@@ -197,17 +197,29 @@ def _callable(job, args, seeds, out, per_seed_out=None):
     return StageJob(args, job.seed, out, job.stage, per_seed_out)
 
 
+def _train_args(args, gpus_per_job):
+    """The pipeline arguments a job's stages run with: --num-gpus is the job's GPUs (detectron2's
+    launch inside the job)."""
+    train_args = copy.copy(args)
+    train_args.num_gpus = max(1, gpus_per_job)
+    return train_args
+
+
+def _job_folder(out):
+    """Where submitit keeps the jobs' logs and pickles."""
+    return os.path.join(out, "submitit")
+
+
 def launch(args, seeds, out):
     """Submit the grid (or print it with --dry-run); local: wait for the summary."""
     out = os.path.abspath(out)
-    train_args = copy.copy(args)
-    train_args.num_gpus = max(1, args.gpus_per_job)  # detectron2's launch inside the job
+    train_args = _train_args(args, args.gpus_per_job)
     jobs = job_graph(train_args, seeds, out, args.gpus_per_job, count_iterations=args.dry_run)
     if args.dry_run:
         table = dry_run_table(jobs, seconds_per_iteration(args.sec_per_iter))
         print(table)
         return {"jobs": jobs, "table": table}
-    folder = os.path.join(out, "submitit")
+    folder = _job_folder(out)
     if args.launcher == "slurm":
         return _submit_slurm(jobs, args, train_args, seeds, out, folder)
     summary = _run_local(jobs, args, train_args, seeds, out, folder)[SUMMARY]
@@ -283,8 +295,7 @@ def run_parallel(args, seeds, out, jobs, ceiling_epochs=0, per_seed_out=None):
     classifier it starts from is done; returns the seeds' summaries, read from the finished
     stages (run_seeds with ``job="summary"``). Done stages are skipped, so a re-run continues."""
     out = os.path.abspath(out)
-    train_args = copy.copy(args)
-    train_args.num_gpus = max(1, jobs.gpus_per_job)  # detectron2's launch inside the job
+    train_args = _train_args(args, jobs.gpus_per_job)
     graph = [j for j in job_graph(train_args, seeds, out, jobs.gpus_per_job,
                                   per_seed_out=per_seed_out) if j.seed is not None]
     stop = threading.Event()
@@ -292,8 +303,7 @@ def run_parallel(args, seeds, out, jobs, ceiling_epochs=0, per_seed_out=None):
         ceilings = [pool.submit(ceiling_when_ready, seed_args(args, s, out, per_seed_out),
                                 ceiling_epochs, stop) for s in seeds if ceiling_epochs]
         try:
-            _run_local(graph, jobs, train_args, seeds, out, os.path.join(out, "submitit"),
-                       per_seed_out)
+            _run_local(graph, jobs, train_args, seeds, out, _job_folder(out), per_seed_out)
         finally:
             stop.set()  # a ceiling still waiting for its classifier will not get it
         for c in ceilings:

@@ -81,7 +81,6 @@ def run_stage(name, cmd, log_path, cwd=None, env=None):
     print(f"\n=== [{name}] {entry} (full log: {log_path})", flush=True)
     received = []
     tail = []
-    cpu = None
     # line-buffered: a person tailing the full log of a long stage sees each line as it comes
     with open_no_follow(log_path, "w", replace_link=True, buffering=1) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
