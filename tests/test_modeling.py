@@ -406,6 +406,33 @@ def test_grad_checkpointing_gives_the_same_losses_and_gradients():
     assert g0.keys() == g1.keys() and all(torch.allclose(g0[k], g1[k], atol=1e-5) for k in g0)
 
 
+def test_channels_last_gives_the_same_losses_and_gradients():
+    """MODEL.BRAIXDET.CHANNELS_LAST runs the encoder in NHWC: its weights and features carry
+    that layout (off: NCHW), and the losses and gradients are those of the NCHW model up to
+    float rounding."""
+    grads = []
+    for channels_last in (False, True):
+        model, _ = build(seed=3, **{"MODEL.BRAIXDET.CHANNELS_LAST": channels_last})
+        encoder = model.backbone.bottom_up.encoder
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        assert all(p.is_contiguous(memory_format=layout) for p in encoder.parameters()
+                   if p.dim() == 4)
+        assert encoder(torch.rand(2, 1, H, W))["res4"].is_contiguous(memory_format=layout)
+        assert not encoder(torch.rand(2, 1, H, W))["res4"].is_contiguous(
+            memory_format=torch.contiguous_format if channels_last else torch.channels_last)
+        model.train()
+        torch.manual_seed(5)  # same RPN / ROI sampling
+        with EventStorage():
+            losses = model(make_inputs(2, boxes=True))
+        sum(losses.values()).backward()
+        grads.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()
+                               if p.grad is not None}))
+    (l0, g0), (l1, g1) = grads
+    assert all(torch.allclose(l0[k], l1[k], atol=1e-5) for k in l0)
+    assert g0.keys() == g1.keys()
+    assert all(torch.allclose(g0[k], g1[k], rtol=1e-3, atol=1e-5) for k in g0)
+
+
 def test_rcnn_inference_original_coords():
     model, _ = build()
     inputs = make_inputs(2, seed=2)

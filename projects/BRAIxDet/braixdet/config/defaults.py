@@ -41,6 +41,10 @@ def _add_model_config(cfg):
     # Recompute encoder activations in backward (timm set_grad_checkpointing): less GPU memory
     # at the paper's batch for ~30% more step time (smaller cards; see docs/DESIGN.md §4a)
     b.GRAD_CHECKPOINTING = False
+    # Encoder in channels-last (NHWC) memory layout: the same model up to float rounding, and
+    # oneDNN's NHWC depthwise convolutions train the demo's detector 1.3-1.5x faster on a CPU
+    # (docs/RESULTS.md §1.10). False: the NCHW layout of releases before 2026-12-07.
+    b.CHANNELS_LAST = True
     # timm feature stages exposed as res2..res5 (strides 4, 8, 16, 32)
     b.OUT_FEATURES = ["res3", "res4", "res5"]
     b.MULTI_VIEW = True  # False: single-view model (the Faster R-CNN baseline)

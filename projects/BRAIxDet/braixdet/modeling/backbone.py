@@ -38,7 +38,7 @@ class TimmBackbone(Backbone):
     """A timm `features_only` model for grey images; outputs res2..res5 (strides 4..32)."""
 
     def __init__(self, model_name="efficientnet_b0", out_features=("res3", "res4", "res5"),
-                 pretrained="", in_chans=1, grad_checkpointing=False):
+                 pretrained="", in_chans=1, grad_checkpointing=False, channels_last=False):
         super().__init__()
         # Probe the stage layout on the meta device (no memory, no download) to pick out_indices.
         with torch.device("meta"):
@@ -58,6 +58,10 @@ class TimmBackbone(Backbone):
                                       in_chans=in_chans, out_indices=indices)
         if grad_checkpointing:
             self.body.set_grad_checkpointing(True)
+        if channels_last:
+            # NHWC weights make every convolution (and so every activation after the stem) run
+            # channels-last; a 1-channel input cannot carry the layout itself
+            self.body.to(memory_format=torch.channels_last)
         info = self.body.feature_info
         self._out_features = list(out_features)
         self._out_feature_channels = dict(zip(out_features, info.channels()))
@@ -149,7 +153,7 @@ def _encoder_from_cfg(cfg, extra_features=()) -> TimmBackbone:
     features = tuple(dict.fromkeys([*b.OUT_FEATURES, *extra_features]))
     return TimmBackbone(
         b.TIMM_MODEL, out_features=features, pretrained=encoder_init(cfg), in_chans=b.IN_CHANS,
-        grad_checkpointing=b.GRAD_CHECKPOINTING,
+        grad_checkpointing=b.GRAD_CHECKPOINTING, channels_last=b.CHANNELS_LAST,
     )
 
 
