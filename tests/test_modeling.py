@@ -433,6 +433,29 @@ def test_channels_last_gives_the_same_losses_and_gradients():
     assert all(torch.allclose(g0[k], g1[k], rtol=1e-3, atol=1e-5) for k in g0)
 
 
+def test_channels_last_survives_checkpoints_of_either_layout_and_the_teacher_copy():
+    """A checkpoint saved in NCHW (releases before the switch) loads into the channels-last
+    model with the same values and the model's layout, and the reverse; the EMA teacher keeps
+    the student's layout."""
+    from braixdet.ssl.ema import build_teacher
+
+    def encoder_weights(model):  # the convolutions whose layout is unambiguous (C_in > 1)
+        return [p for p in model.backbone.bottom_up.encoder.parameters()
+                if p.dim() == 4 and p.shape[1] > 1]
+
+    nhwc, _ = build(seed=3, **{"MODEL.BRAIXDET.CHANNELS_LAST": True})
+    nchw, _ = build(seed=4, **{"MODEL.BRAIXDET.CHANNELS_LAST": False})
+    for dst, src, layout in ((nhwc, nchw, torch.channels_last),
+                             (nchw, nhwc, torch.contiguous_format)):
+        dst.load_state_dict(src.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(),
+                                                     src.state_dict().values()))
+        assert all(p.is_contiguous(memory_format=layout) for p in encoder_weights(dst))
+    teacher = build_teacher(nhwc)
+    assert all(p.is_contiguous(memory_format=torch.channels_last)
+               for p in encoder_weights(teacher))
+
+
 def test_rcnn_inference_original_coords():
     model, _ = build()
     inputs = make_inputs(2, seed=2)

@@ -42,8 +42,8 @@ def _add_model_config(cfg):
     # at the paper's batch for ~30% more step time (smaller cards; see docs/DESIGN.md §4a)
     b.GRAD_CHECKPOINTING = False
     # Encoder in channels-last (NHWC) memory layout: the same model up to float rounding, and
-    # oneDNN's NHWC depthwise convolutions train the demo's detector 1.3-1.5x faster on a CPU
-    # (docs/RESULTS.md §1.10). False: the NCHW layout of releases before 2026-12-07.
+    # oneDNN's NHWC depthwise convolutions make the demo's stage steps 1.3-2.2x faster on a
+    # CPU (docs/RESULTS.md §1.10; not measured on a GPU). False: NCHW, as before 2026-12-07.
     b.CHANNELS_LAST = True
     # timm feature stages exposed as res2..res5 (strides 4, 8, 16, 32)
     b.OUT_FEATURES = ["res3", "res4", "res5"]
