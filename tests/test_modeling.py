@@ -387,6 +387,32 @@ def test_det_reads_aux_global_refused_where_it_would_do_nothing(meta, multi_view
         check_config(cfg)
 
 
+def training_losses_and_grads(model):
+    """One training forward + backward on fixed inputs and RPN / ROI sampling -> (losses,
+    gradients by parameter name)."""
+    model.train()
+    torch.manual_seed(5)  # same RPN / ROI sampling
+    with EventStorage():
+        losses = model(make_inputs(2, boxes=True))
+    sum(losses.values()).backward()
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def encoder_in_layout(model, layout):
+    """The encoder's convolution weights have ``layout``'s strides (1×1 and one-input-channel
+    kernels are contiguous in both layouts, so ``is_contiguous`` cannot tell) and its features
+    come out in ``layout``, not in the other one."""
+    encoder = model.backbone.bottom_up.encoder
+    other = torch.contiguous_format if layout == torch.channels_last else torch.channels_last
+    weights = [p for p in encoder.parameters() if p.dim() == 4]
+    with torch.no_grad():
+        features = encoder(torch.rand(2, 1, H, W))["res4"]
+    return (all(p.stride() == torch.empty_like(p, memory_format=layout).stride()
+                for p in weights)
+            and features.is_contiguous(memory_format=layout)
+            and not features.is_contiguous(memory_format=other))
+
+
 def test_grad_checkpointing_gives_the_same_losses_and_gradients():
     """MODEL.BRAIXDET.GRAD_CHECKPOINTING recomputes the encoder in backward (timm): same
     numbers as without it."""
@@ -394,13 +420,7 @@ def test_grad_checkpointing_gives_the_same_losses_and_gradients():
     for ckpt in (False, True):
         model, _ = build(seed=3, **{"MODEL.BRAIXDET.GRAD_CHECKPOINTING": ckpt})
         assert model.backbone.bottom_up.encoder.body.grad_checkpointing == ckpt
-        model.train()
-        torch.manual_seed(5)  # same RPN / ROI sampling
-        with EventStorage():
-            losses = model(make_inputs(2, boxes=True))
-        sum(losses.values()).backward()
-        grads.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()
-                               if p.grad is not None}))
+        grads.append(training_losses_and_grads(model))
     (l0, g0), (l1, g1) = grads
     assert all(torch.allclose(l0[k], l1[k], atol=1e-6) for k in l0)
     assert g0.keys() == g1.keys() and all(torch.allclose(g0[k], g1[k], atol=1e-5) for k in g0)
@@ -413,20 +433,9 @@ def test_channels_last_gives_the_same_losses_and_gradients():
     grads = []
     for channels_last in (False, True):
         model, _ = build(seed=3, **{"MODEL.BRAIXDET.CHANNELS_LAST": channels_last})
-        encoder = model.backbone.bottom_up.encoder
         layout = torch.channels_last if channels_last else torch.contiguous_format
-        assert all(p.is_contiguous(memory_format=layout) for p in encoder.parameters()
-                   if p.dim() == 4)
-        assert encoder(torch.rand(2, 1, H, W))["res4"].is_contiguous(memory_format=layout)
-        assert not encoder(torch.rand(2, 1, H, W))["res4"].is_contiguous(
-            memory_format=torch.contiguous_format if channels_last else torch.channels_last)
-        model.train()
-        torch.manual_seed(5)  # same RPN / ROI sampling
-        with EventStorage():
-            losses = model(make_inputs(2, boxes=True))
-        sum(losses.values()).backward()
-        grads.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()
-                               if p.grad is not None}))
+        assert encoder_in_layout(model, layout)
+        grads.append(training_losses_and_grads(model))
     (l0, g0), (l1, g1) = grads
     assert all(torch.allclose(l0[k], l1[k], atol=1e-5) for k in l0)
     assert g0.keys() == g1.keys()
@@ -439,10 +448,6 @@ def test_channels_last_survives_checkpoints_of_either_layout_and_the_teacher_cop
     the student's layout."""
     from braixdet.ssl.ema import build_teacher
 
-    def encoder_weights(model):  # the convolutions whose layout is unambiguous (C_in > 1)
-        return [p for p in model.backbone.bottom_up.encoder.parameters()
-                if p.dim() == 4 and p.shape[1] > 1]
-
     nhwc, _ = build(seed=3, **{"MODEL.BRAIXDET.CHANNELS_LAST": True})
     nchw, _ = build(seed=4, **{"MODEL.BRAIXDET.CHANNELS_LAST": False})
     for dst, src, layout in ((nhwc, nchw, torch.channels_last),
@@ -450,10 +455,8 @@ def test_channels_last_survives_checkpoints_of_either_layout_and_the_teacher_cop
         dst.load_state_dict(src.state_dict())
         assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(),
                                                      src.state_dict().values()))
-        assert all(p.is_contiguous(memory_format=layout) for p in encoder_weights(dst))
-    teacher = build_teacher(nhwc)
-    assert all(p.is_contiguous(memory_format=torch.channels_last)
-               for p in encoder_weights(teacher))
+        assert encoder_in_layout(dst, layout)
+    assert encoder_in_layout(build_teacher(nhwc), torch.channels_last)
 
 
 def test_rcnn_inference_original_coords():
