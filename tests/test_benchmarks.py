@@ -468,6 +468,36 @@ def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_win
         script.load_record(path, script.record_settings(half, {"regime": "r"}))
 
 
+def test_benchmark_regimes_keep_the_papers_box_head_where_the_demo_narrows_it(tmp_path,
+                                                                            load_tool):
+    """The demo's configs narrow the box head's fully connected layers to 256 (RESULTS §1.11);
+    the benchmark scripts' detectors keep the paper's (torchvision's) 1024 that their records
+    trained, and a --det-opts value still wins. Read from the box head detectron2 builds."""
+    import argparse
+
+    from detectron2.layers import ShapeSpec
+    from detectron2.modeling.roi_heads import build_box_head
+
+    from braixdet.config import build_cfg
+    from braixdet.model_zoo import get_config_file
+
+    def fc_widths(opts):
+        cfg = build_cfg(get_config_file("demo/BRAIxDet/braixdet.yaml"), list(opts))
+        head = build_box_head(cfg, ShapeSpec(channels=cfg.MODEL.FPN.OUT_CHANNELS, height=7,
+                                             width=7))
+        return [m.out_features for m in head.modules() if isinstance(m, torch.nn.Linear)]
+
+    assert fc_widths([]) == [256, 256]
+    script = load_tool("experiment_table6", folder="benchmarks")
+    a = argparse.Namespace(ratio="1/8", size=[256, 128], stage1_epochs=5.0, det_epochs=6.0,
+                           ceiling_epochs=8.0, opts=[], stage1_opts=[], det_opts=[],
+                           root=str(tmp_path), out=str(tmp_path), methods=["braixdet"],
+                           run_dir=str(tmp_path / "r1_8"))
+    assert fc_widths(script.pipeline_args(a).det_opts) == [1024, 1024]
+    a.det_opts = ["MODEL.ROI_BOX_HEAD.FC_DIM", "512"]
+    assert fc_widths(script.pipeline_args(a).det_opts) == [512, 512]
+
+
 def test_table6_record_keeps_each_stage1_classifier_of_a_seed_split_across_runs(tmp_path,
                                                                                 load_tool):
     """A seed's floor and its BRAIxDet row train different stage-1 classifiers in separate runs:
