@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The README's main job: the whole BRAIxDet method on a synthetic DICOM dataset, on a CPU.
 
-  make demo     (12 min on a 2-core AMD EPYC, 19-22 on a Xeon)      make demo QUICK=1   (2 min)
+  make demo     (10 min on a 2-core Intel Xeon)                       make demo QUICK=1   (2 min)
   python tools/run_demo.py --seeds 0 1 2               (3 seeds, every row incl. competitors:
                                                        the table as mean ± std, about 87 min)
 Measured run times: docs/RESULTS.md §1.0a, §1.7 and §1.9. `--jobs N`: N stages at once.

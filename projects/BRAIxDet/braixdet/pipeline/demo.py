@@ -9,10 +9,10 @@
 3. the table (one seed: its numbers; several: mean ± std over seeds) plus the classifiers' AUC,
    in `out/demo/`: results.md/json, metrics, FROC curves (CSV + PNG) and overlay PNGs.
 
-Stages run one after another in this process, or ``jobs`` at once as local jobs
-(pipeline/launcher.py: a machine with more cores than one stage's threads); each stage keeps the
-demo configs' ``NUM_THREADS``, so the table is the same whatever ``jobs`` is. On two cores one
-stage at a time is fastest (docs/RESULTS.md §1.9: one thread per stage, two at once, was slower).
+Stages run ``jobs`` at once as local jobs (pipeline/launcher.py; default one per core, as the
+demo configs' ``NUM_THREADS`` is 1), or one after another in this process (``jobs`` 1); each
+stage keeps the configs' ``NUM_THREADS``, so the table is the same whatever ``jobs`` is. On two
+cores two one-thread stages at once are fastest (docs/RESULTS.md §1.9–§1.11).
 """
 import json
 import os
