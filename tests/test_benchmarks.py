@@ -468,6 +468,28 @@ def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_win
         script.load_record(path, script.record_settings(half, {"regime": "r"}))
 
 
+def test_demo_box_head_criterion_at_its_edges(capsys, load_tool):
+    """RESULTS §1.11 (CPU minutes, not run here): a narrower head passes when the mean paired
+    difference of every row is at least -3 AP@0.2, fails when one row's is below; main()
+    parses its arguments."""
+    script = load_tool("experiment_demo_box_head", folder="benchmarks")
+
+    def seeds(floor_diffs, ceiling_diffs):
+        return {s: {1024: {"floor": 80.0, "ceiling": 90.0},
+                    256: {"floor": 80.0 + f, "ceiling": 90.0 + c}}
+                for s, (f, c) in enumerate(zip(floor_diffs, ceiling_diffs))}
+
+    text, verdicts = script.table(seeds([-4.0, -2.0], [0.0, 0.0]), [1024, 256])
+    assert verdicts == {("floor", 256): True, ("ceiling", 256): True}
+    assert "-3.0 (-4.0, -2.0)" in text and "FC_DIM 256: met" in text
+    text, verdicts = script.table(seeds([0.0, 0.0], [-3.2, -3.0]), [1024, 256])
+    assert verdicts == {("floor", 256): True, ("ceiling", 256): False}
+    assert "FC_DIM 256: not met" in text
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    assert e.value.code == 0 and "--fc-dims" in capsys.readouterr().out
+
+
 def test_benchmark_regimes_keep_the_papers_box_head_where_the_demo_narrows_it(tmp_path,
                                                                             load_tool):
     """The demo's configs narrow the box head's fully connected layers to 256 (RESULTS §1.11);
