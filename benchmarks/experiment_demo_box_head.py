@@ -37,7 +37,11 @@ def run_seed(a, seed, root):
     done = os.path.join(a.out, f"s{seed}.json")
     if os.path.exists(done):
         with open(done) as f:
-            return {int(k): v for k, v in json.load(f).items()}
+            rows = {int(k): v for k, v in json.load(f).items()}
+        if set(a.fc_dims) <= set(rows):
+            return rows
+        raise SystemExit(f"error: {done} holds FC_DIM {sorted(rows)}, not every one of "
+                         f"{a.fc_dims}; use another --out")
     spec = DEMO["full"]
     rows, first = {}, None
     for dim in a.fc_dims:

@@ -468,11 +468,21 @@ def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_win
         script.load_record(path, script.record_settings(half, {"regime": "r"}))
 
 
-def test_demo_box_head_criterion_at_its_edges(capsys, load_tool):
+def test_demo_box_head_criterion_at_its_edges(capsys, load_tool, tmp_path):
     """RESULTS §1.11 (CPU minutes, not run here): a narrower head passes when the mean paired
-    difference of every row is at least -3 AP@0.2, fails when one row's is below; main()
-    parses its arguments."""
+    difference of every row is at least -3 AP@0.2, fails when one row's is below; a finished
+    seed of other --fc-dims is refused, not tabled; main() parses its arguments."""
+    import argparse
+    import json
+
     script = load_tool("experiment_demo_box_head", folder="benchmarks")
+    (tmp_path / "s0.json").write_text(json.dumps({"1024": {"floor": 80.0, "ceiling": 90.0},
+                                                  "256": {"floor": 79.0, "ceiling": 90.0}}))
+    a = argparse.Namespace(out=str(tmp_path), fc_dims=[1024, 256], threads=1)
+    assert script.run_seed(a, 0, str(tmp_path))[256] == {"floor": 79.0, "ceiling": 90.0}
+    with pytest.raises(SystemExit, match="holds FC_DIM"):
+        script.run_seed(argparse.Namespace(**dict(vars(a), fc_dims=[1024, 512])), 0,
+                        str(tmp_path))
 
     def seeds(floor_diffs, ceiling_diffs):
         return {s: {1024: {"floor": 80.0, "ceiling": 90.0},
