@@ -438,6 +438,16 @@ def test_table6_record_update_waits_for_another_run_ending_at_once(tmp_path, loa
     assert set(seeds) == {"0", "2"} and set(seeds["2"]["results"]) == {"STAC", "BRAIxDet"}
 
 
+def table6_args(tmp_path):
+    """experiment_table6.py's parsed arguments at the first regime's schedule (det-epochs 6)."""
+    import argparse
+
+    return argparse.Namespace(ratio="1/8", size=[256, 128], stage1_epochs=5.0, det_epochs=6.0,
+                              ceiling_epochs=8.0, opts=[], stage1_opts=[], det_opts=[],
+                              root=str(tmp_path), out=str(tmp_path), methods=["braixdet"],
+                              run_dir=str(tmp_path / "r1_8"))
+
+
 def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_window(
         tmp_path, load_tool):
     """experiment_table6.py at --det-epochs 6: the detectors get Algorithm 2's window at the
@@ -446,10 +456,7 @@ def test_table6_detectors_fuse_for_the_papers_share_and_the_record_keeps_the_win
     import argparse
 
     script = load_tool("experiment_table6", folder="benchmarks")
-    a = argparse.Namespace(ratio="1/8", size=[256, 128], stage1_epochs=5.0, det_epochs=6.0,
-                           ceiling_epochs=8.0, opts=[], stage1_opts=[], det_opts=[],
-                           root=str(tmp_path), out=str(tmp_path), methods=["braixdet"],
-                           run_dir=str(tmp_path / "r1_8"))
+    a = table6_args(tmp_path)
     det_opts = script.pipeline_args(a).det_opts
     assert dict(zip(det_opts[::2], det_opts[1::2]))["SSL.CAM_FUSION_EPOCHS"] == "0.6"
     settings = script.record_settings(a, {"regime": "r"})
@@ -505,8 +512,6 @@ def test_benchmark_regimes_keep_the_papers_box_head_where_the_demo_narrows_it(tm
     """The demo's configs narrow the box head's fully connected layers to 256 (RESULTS §1.11);
     the benchmark scripts' detectors keep the paper's (torchvision's) 1024 that their records
     trained, and a --det-opts value still wins. Read from the box head detectron2 builds."""
-    import argparse
-
     from detectron2.layers import ShapeSpec
     from detectron2.modeling.roi_heads import build_box_head
 
@@ -521,10 +526,7 @@ def test_benchmark_regimes_keep_the_papers_box_head_where_the_demo_narrows_it(tm
 
     assert fc_widths([]) == [256, 256]
     script = load_tool("experiment_table6", folder="benchmarks")
-    a = argparse.Namespace(ratio="1/8", size=[256, 128], stage1_epochs=5.0, det_epochs=6.0,
-                           ceiling_epochs=8.0, opts=[], stage1_opts=[], det_opts=[],
-                           root=str(tmp_path), out=str(tmp_path), methods=["braixdet"],
-                           run_dir=str(tmp_path / "r1_8"))
+    a = table6_args(tmp_path)
     assert fc_widths(script.pipeline_args(a).det_opts) == [1024, 1024]
     a.det_opts = ["MODEL.ROI_BOX_HEAD.FC_DIM", "512"]
     assert fc_widths(script.pipeline_args(a).det_opts) == [512, 512]
