@@ -145,6 +145,43 @@ def test_plateau_and_best_export_follow_validation(work):
                                                    nan_ok=True, abs=1e-9)
 
 
+def test_a_finished_run_extended_resumes_after_its_final_evaluation(work):
+    """detectron2 runs the final evaluation in after_train, after the last checkpoint: the
+    final checkpoint must hold what the plateau and export hooks made of it. Otherwise a finished
+    run resumed with a longer schedule forgets its best evaluation (RESULTS §35: the log named
+    iteration 365 as the export, the file held 731's) and may export a worse model over it."""
+    val = "cbis_ddsm_train_full_full_s0"
+    out = work.dir / "extended"
+
+    def opts(max_iter):
+        return tiny_opts(work.root, out, work.cache, stage="faster_rcnn", max_iter=max_iter,
+                         eval_period=2, extra=[
+                             "DATASETS.BRAIXDET.PROTOCOL", "full", "SOLVER.BASE_LR", "0.003",
+                             "SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0",
+                             "DATASETS.TEST", repr((val, "cbis_ddsm_test"))])
+    key = f"{val}/bbox/AP20"
+    first, log = build_trainer("faster_rcnn", opts(4)), MetricLog(key)
+    first.register_hooks([log])
+    first.train()
+    # the last evaluation ran in after_train, which stores it at the iteration count, 4
+    assert sorted(log.values) == [1, 4]
+    hooks = load_ckpt(out / "model_final.pth")["trainer"]["hooks"]
+    assert hooks["BestExportHook"]["last_eval_iter"] == 4
+    assert hooks["BestExportHook"]["best"] == pytest.approx(first.best_export.best)
+    assert hooks["ReduceLROnPlateauHook"] == first.plateau.state_dict()
+    # four more iterations: the run goes on after iteration 3, knowing its last evaluation
+    more = build_trainer("faster_rcnn", opts(8), resume=True)
+    assert more.start_iter == 4
+    assert more.best_export.state_dict() == first.best_export.state_dict()
+    log2 = MetricLog(key)
+    more.register_hooks([log2])
+    more.train()
+    values = {**log.values, **log2.values}
+    assert sorted(values) == [1, 4, 5, 8]
+    best_it = max(sorted(values), key=lambda it: (values[it], -it))  # first best
+    assert load_ckpt(out / "model_export.pth")["selected"]["iteration"] == best_it
+
+
 def record_scored_datasets(trainer):
     """The datasets ``trainer`` scores, in order (every call of its ``test``)."""
     scored, test = [], trainer.test

@@ -297,6 +297,29 @@ class BestExportHook(HookBase):
         self.last_eval_iter = state_dict["last_eval_iter"]
 
 
+class FinalEvaluationCheckpointer(HookBase):
+    """Saves a finished run's ``model_final`` again after the final evaluation: detectron2's
+    ``EvalHook`` runs it in ``after_train``, after the ``PeriodicCheckpointer`` saved the last
+    step, so that checkpoint lacks the plateau and export decisions on it, and a run resumed
+    with a longer schedule would forget its best evaluation and could export a worse model over
+    it (RESULTS §35). Register after every hook whose state it saves; rank 0 only."""
+
+    def __init__(self, checkpointer, name="model_final"):
+        self.checkpointer, self.name = checkpointer, name
+
+    def after_train(self):
+        trainer = self.trainer
+        if trainer.iter < trainer.max_iter:  # stopped or failed: its periodic checkpoints stand
+            return
+        finished = trainer.iter
+        # the iteration the last step's checkpoint recorded: a resume starts right after it
+        trainer.iter = trainer.max_iter - 1
+        try:
+            self.checkpointer.save(self.name, iteration=trainer.iter)
+        finally:
+            trainer.iter = finished
+
+
 def read_export_selection(path):
     """The ``selected`` record a ``BestExportHook`` saved beside the weights in ``path``:
     {iteration, metric, value} (an empty dict for an export without one)."""

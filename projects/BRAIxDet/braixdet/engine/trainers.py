@@ -62,7 +62,13 @@ from ..ssl.pseudo_quality import QualityWindow
 from ..ssl.soft_teacher import reliable_for_regression, soft_teacher_losses
 from ..utils.checkpoint import safe_torch_load
 from .checkpoint import AtomicCheckpointer
-from .hooks import BestExportHook, FiniteLossCheck, ReduceLROnPlateauHook, TrainingTimeHook
+from .hooks import (
+    BestExportHook,
+    FinalEvaluationCheckpointer,
+    FiniteLossCheck,
+    ReduceLROnPlateauHook,
+    TrainingTimeHook,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -429,6 +435,8 @@ class BRAIxTrainerBase(DefaultTrainer):
                                                      cfg.SOLVER.CHECKPOINT_PERIOD,
                                                      max_to_keep=kept or None))
             ret.append(d2_hooks.PeriodicWriter(self.build_writers(), period=20))
+            if self.best_export.metric is not None:
+                ret.append(FinalEvaluationCheckpointer(self.checkpointer))
         return ret
 
     def deploy_model(self):
