@@ -1,4 +1,5 @@
-"""Training-loop helpers: a finite-loss check, ReduceLROnPlateau and the best-model export.
+"""Training-loop helpers: a finite-loss check, ReduceLROnPlateau, the best-model export and
+the checkpoint after the final evaluation.
 
 Wiring (the trainer's side):
 
@@ -20,6 +21,9 @@ Wiring (the trainer's side):
   and scheduler state dicts (DefaultTrainer checkpoints both through ``trainer``) and the hook's
   own bookkeeping (best, bad evaluations, reductions) is saved by
   ``TrainerBase.state_dict()["hooks"]``; loading it never re-applies a reduction.
+
+* ``FinalEvaluationCheckpointer`` — register last: the final evaluation comes after the last
+  periodic checkpoint, so a finished run saves ``model_final`` once more with its outcome.
 """
 import logging
 import math
