@@ -94,19 +94,30 @@ class MetricLog(HookBase):
         self.after_step()
 
 
+VAL = "cbis_ddsm_train_full_full_s0"  # lesions in it: a validation AP that moves
+
+
+def validated_detector_opts(work, out, max_iter):
+    """A tiny supervised detector evaluated every 2 iterations on (VAL, test), patience 0."""
+    return tiny_opts(work.root, out, work.cache, stage="faster_rcnn", max_iter=max_iter,
+                     eval_period=2, extra=[
+                         "DATASETS.BRAIXDET.PROTOCOL", "full", "SOLVER.BASE_LR", "0.003",
+                         "SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0",
+                         "DATASETS.TEST", repr((VAL, "cbis_ddsm_test"))])
+
+
+def first_best(values):
+    """The iteration of the first best value of {iteration: value} (the export's choice)."""
+    return max(sorted(values), key=lambda it: (values[it], -it))
+
+
 def test_plateau_and_best_export_follow_validation(work):
     """Supervised detector, evaluated every 2 iterations on (validation, test): the exported
     model is the one of the best validation AP, the lr drops after a non-improving
     evaluation (patience 0), and the test metrics left on disk are the exported model's."""
-    val = "cbis_ddsm_train_full_full_s0"  # lesions in it: a validation AP that moves
     out = work.dir / "best"
-    opts = tiny_opts(work.root, out, work.cache, stage="faster_rcnn", max_iter=8,
-                     eval_period=2, extra=[
-                         "DATASETS.BRAIXDET.PROTOCOL", "full", "SOLVER.BASE_LR", "0.003",
-                         "SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0",
-                         "DATASETS.TEST", repr((val, "cbis_ddsm_test"))])
-    t = build_trainer("faster_rcnn", opts)
-    key = f"{val}/bbox/AP20"
+    t = build_trainer("faster_rcnn", validated_detector_opts(work, out, max_iter=8))
+    key = f"{VAL}/bbox/AP20"
     log = MetricLog(key)
     t.register_hooks([log])
     scored = record_scored_datasets(t)
@@ -114,7 +125,7 @@ def test_plateau_and_best_export_follow_validation(work):
     assert t.plateau.resolved_key == key and t.plateau.mode == "max"
     history = [log.values[it] for it in sorted(log.values)]
     assert len(history) == 4  # iterations 1, 3, 5 and the final evaluation
-    best_it = max(sorted(log.values), key=lambda it: (log.values[it], -it))  # first best
+    best_it = first_best(log.values)
     export = load_ckpt(out / "model_export.pth")
     assert export["selected"]["iteration"] == best_it
     assert export["selected"]["value"] == pytest.approx(max(history))
@@ -125,7 +136,7 @@ def test_plateau_and_best_export_follow_validation(work):
         assert min(log.lrs) < max(log.lrs)
     # the test set is scored once, on the export: model selection never sees it
     assert scored.count("cbis_ddsm_test") == 1 and scored[-1] == "cbis_ddsm_test"
-    assert scored.count(val) == len(history)
+    assert scored.count(VAL) == len(history)
     assert not any(k.startswith("cbis_ddsm_test/") for k in t.storage.histories())
     assert t._last_eval_results["cbis_ddsm_test"]["bbox"]["AP20"] == pytest.approx(
         json.loads((out / "inference" / "model" / "cbis_ddsm_test" / "metrics.json")
@@ -149,18 +160,11 @@ def test_a_finished_run_extended_resumes_after_its_final_evaluation(work):
     """detectron2 runs the final evaluation in after_train, after the last checkpoint: the
     final checkpoint must hold what the plateau and export hooks made of it. Otherwise a finished
     run resumed with a longer schedule forgets its best evaluation (RESULTS §35: the log named
-    iteration 365 as the export, the file held 731's) and may export a worse model over it."""
-    val = "cbis_ddsm_train_full_full_s0"
+    iteration 365 as the export, the file held epoch 2's) and may export a worse model over it."""
     out = work.dir / "extended"
-
-    def opts(max_iter):
-        return tiny_opts(work.root, out, work.cache, stage="faster_rcnn", max_iter=max_iter,
-                         eval_period=2, extra=[
-                             "DATASETS.BRAIXDET.PROTOCOL", "full", "SOLVER.BASE_LR", "0.003",
-                             "SOLVER.BRAIXDET.PLATEAU_PATIENCE", "0",
-                             "DATASETS.TEST", repr((val, "cbis_ddsm_test"))])
-    key = f"{val}/bbox/AP20"
-    first, log = build_trainer("faster_rcnn", opts(4)), MetricLog(key)
+    key = f"{VAL}/bbox/AP20"
+    first = build_trainer("faster_rcnn", validated_detector_opts(work, out, max_iter=4))
+    log = MetricLog(key)
     first.register_hooks([log])
     first.train()
     # the last evaluation ran in after_train, which stores it at the iteration count, 4
@@ -170,7 +174,8 @@ def test_a_finished_run_extended_resumes_after_its_final_evaluation(work):
     assert hooks["BestExportHook"]["best"] == pytest.approx(first.best_export.best)
     assert hooks["ReduceLROnPlateauHook"] == first.plateau.state_dict()
     # four more iterations: the run goes on after iteration 3, knowing its last evaluation
-    more = build_trainer("faster_rcnn", opts(8), resume=True)
+    more = build_trainer("faster_rcnn", validated_detector_opts(work, out, max_iter=8),
+                         resume=True)
     assert more.start_iter == 4
     assert more.best_export.state_dict() == first.best_export.state_dict()
     log2 = MetricLog(key)
@@ -178,8 +183,7 @@ def test_a_finished_run_extended_resumes_after_its_final_evaluation(work):
     more.train()
     values = {**log.values, **log2.values}
     assert sorted(values) == [1, 4, 5, 8]
-    best_it = max(sorted(values), key=lambda it: (values[it], -it))  # first best
-    assert load_ckpt(out / "model_export.pth")["selected"]["iteration"] == best_it
+    assert load_ckpt(out / "model_export.pth")["selected"]["iteration"] == first_best(values)
 
 
 def record_scored_datasets(trainer):
