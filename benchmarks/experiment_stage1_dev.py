@@ -51,8 +51,9 @@ CANDIDATES = {
     "REG": ["MODEL.BRAIXDET.CLS_DROPOUT", "0.5", "MODEL.BRAIXDET.LCM.DROPOUT", "0.1",
             "INPUT.BRAIXDET.AUG.BRIGHTNESS", "0.3", "INPUT.BRAIXDET.AUG.CONTRAST", "0.3"],
     "LR": ["SOLVER.BASE_LR", "0.00005"],  # a quarter of the demo's 2e-4 (paper 1e-4)
-    # B5 at the paper's stage-1 learning rate (§4.3: 1e-4; the demo's 2e-4 is a departure for
-    # speed), its first 3 epochs: the plateau rule (patience 2) cannot act before epoch 4 (§36)
+    # B5 at the paper's stage-1 learning rate (paper §4.3: 1e-4; the demo's 2e-4 is a departure
+    # for speed), its first 3 epochs: the plateau rule (patience 2) cannot cut before epoch 4
+    # (RESULTS §36)
     "BP3": ["INPUT.BRAIXDET.CANONICAL_SIZE", "(512, 256)", "SOLVER.BRAIXDET.EPOCHS", "3.0",
             "SOLVER.BASE_LR", "0.0001"],
 }
