@@ -310,18 +310,24 @@ def test_plateau_hook_reduces_after_patience_and_resumes_exactly(tmp_path):
     t1, _, _, p1 = _make_trainer(patience=1)
     ckpt = AtomicCheckpointer(t1.model, str(tmp_path), trainer=t1)
 
+    saved = {}
+
     class _Save(HookBase):
         def after_step(self):
             if self.trainer.iter == 9:
                 ckpt.save("model_0000009")
+                saved.update(p1.state_dict())
 
     t1.register_hooks([_Save()])  # after the plateau hook
     t1.train(0, 11)  # (max_iter 10 would move the iteration-9 evaluation to after_train)
-    assert p1.num_reductions == 1
+    assert saved["num_reductions"] == 1
+    # the final evaluation, in after_train (0.81, the second bad one), counts too: a finished
+    # run's last decision is in the state it ends with
+    assert p1.num_reductions == 2 and p1.last_eval_iter == 11
 
     t2, opt2, sched2, p2 = _make_trainer(patience=1)
     AtomicCheckpointer(t2.model, str(tmp_path), trainer=t2).resume_or_load("", resume=True)
-    assert t2.iter == 9 and p2.state_dict() == p1.state_dict()
+    assert t2.iter == 9 and p2.state_dict() == saved
     assert [g["lr"] for g in opt2.param_groups] == pytest.approx([0.01, 0.001])
     t2.train(10, 20)
     assert _lrs(t2, 10) == pytest.approx(lrs[10:])

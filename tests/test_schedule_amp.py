@@ -13,6 +13,7 @@ from detectron2.engine.train_loop import HookBase
 
 from braixdet.config import build_cfg, resolve_cfg
 from braixdet.config.schedule import resolve_schedule, stage2_epochs_opts
+from braixdet.engine.hooks import ReduceLROnPlateauHook
 from braixdet.ssl.pseudo_labels import fusion_iters_from_cfg
 
 
@@ -129,9 +130,10 @@ def test_plateau_and_best_export_follow_validation(work):
     export = load_ckpt(out / "model_export.pth")
     assert export["selected"]["iteration"] == best_it
     assert export["selected"]["value"] == pytest.approx(max(history))
-    # patience 0: every evaluation that is not a new best reduces the lr ×0.1
+    # patience 0: every evaluation that is not a new best reduces the lr ×0.1, the final one
+    # included (its cut is what a longer run would train with)
     bad = sum(v <= max(history[:i]) for i, v in enumerate(history) if i > 0)
-    assert t.plateau.num_reductions == bad - (history[-1] <= max(history[:-1]))
+    assert t.plateau.num_reductions == bad
     if bad:
         assert min(log.lrs) < max(log.lrs)
     # the test set is scored once, on the export: model selection never sees it
@@ -173,6 +175,20 @@ def test_a_finished_run_extended_resumes_after_its_final_evaluation(work):
     assert hooks["BestExportHook"]["last_eval_iter"] == 4
     assert hooks["BestExportHook"]["best"] == pytest.approx(first.best_export.best)
     assert hooks["ReduceLROnPlateauHook"] == first.plateau.state_dict()
+    # the plateau hook counted both evaluations (a cut after the last one included, patience
+    # 0), as a fresh hook fed the same values does: the extended run cuts when an
+    # uninterrupted one would (RESULTS §36: it had missed the final one)
+    plateau = first.plateau
+    reference = ReduceLROnPlateauHook(metric=key, mode=plateau.mode, factor=plateau.factor,
+                                      patience=plateau.patience,
+                                      optimizer=torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    reference.step(log.values[1])
+    reference.step(log.values[4])
+    saved = hooks["ReduceLROnPlateauHook"]
+    assert saved["last_eval_iter"] == 4
+    assert saved["best"] == pytest.approx(reference.best)
+    assert (saved["num_bad_evals"], saved["num_reductions"]) == \
+        (reference.num_bad_evals, reference.num_reductions)
     # four more iterations: the run goes on after iteration 3, knowing its last evaluation
     more = build_trainer("faster_rcnn", validated_detector_opts(work, out, max_iter=8),
                          resume=True)

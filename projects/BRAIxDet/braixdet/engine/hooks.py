@@ -152,6 +152,12 @@ class ReduceLROnPlateauHook(HookBase):
         self.last_eval_iter = int(it)
         self.step(float(value))
 
+    def after_train(self):
+        # the final evaluation runs in EvalHook.after_train: counted here, so that a finished
+        # run extended later cuts the rate when an uninterrupted run would (RESULTS §36)
+        if self.trainer.iter >= self.trainer.max_iter:
+            self.after_step()
+
     # --- plateau logic -------------------------------------------------------------------
     def _is_better(self, value):
         if math.isnan(value):
