@@ -11,10 +11,11 @@ Wiring (the trainer's side):
   that every rank raises together instead of hanging in DDP's gradient all-reduce.
 
 * ``ReduceLROnPlateauHook`` — register AFTER the ``EvalHook`` that writes the metric (so it sees
-  the value in the same ``after_step``) and BEFORE the ``PeriodicCheckpointer`` (so a checkpoint
-  taken at an evaluation iteration already contains the reduced lr and the hook's state). Keep
-  detectron2's ``LRScheduler`` hook (any closed-form schedule over ``base_lrs``, e.g.
-  ``WarmupMultiStepLR`` with ``SOLVER.STEPS=()`` = warmup then constant). On a reduction the
+  the value in the same ``after_step``, and the final one, which ``EvalHook`` runs in
+  ``after_train``, in its own ``after_train``) and BEFORE the ``PeriodicCheckpointer`` (so a
+  checkpoint taken at an evaluation iteration already contains the reduced lr and the hook's
+  state). Keep detectron2's ``LRScheduler`` hook (any closed-form schedule over ``base_lrs``,
+  e.g. ``WarmupMultiStepLR`` with ``SOLVER.STEPS=()`` = warmup then constant). On a reduction the
   hook multiplies, per param group, the optimizer's ``lr`` (and ``initial_lr``) and the
   scheduler's ``base_lrs`` by ``factor``: the scheduler keeps producing ``base_lr × schedule(t)``
   and the reduction persists. Resume is exact because the reduced values live in the optimizer
